@@ -1,0 +1,112 @@
+"""Joining the Ray cluster and reaching this node's store from any process.
+
+Inside vLLM processes (scheduler, workers) Ray may or may not be initialised already:
+Ray Serve LLM initialises it in an anonymous namespace, a plain `vllm serve` does not.
+We join with `address="auto"` only when needed, and always name the kvstrata
+namespace when looking the store up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kvstrata.actors.node_store import NodeStore
+from kvstrata.actors.options import STORE_NAMESPACE, node_store_options, store_actor_name
+from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.config import KvstrataConfig
+
+logger = logging.getLogger(__name__)
+
+
+class StoreUnavailable(RuntimeError):
+    """The node store (or the Ray cluster) cannot be reached."""
+
+
+def join_cluster(address: str = "auto") -> None:
+    """Connect this process to the Ray cluster unless it already is connected."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace=STORE_NAMESPACE, log_to_driver=False)
+    except ConnectionError as exc:
+        raise StoreUnavailable(
+            f"kvstrata needs a running Ray cluster on this node and found none at address "
+            f"{address!r} ({exc}). Start one with `ray start --head` (or run "
+            f"examples/quickstart.py, which starts a local one), or set `ray.address` in the "
+            f"kvstrata config / RAY_ADDRESS."
+        ) from None
+    logger.info("kvstrata joined the Ray cluster (address %s)", address)
+
+
+def current_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def ensure_node_store(config: KvstrataConfig, node_id: str | None = None) -> Any:
+    """The store actor of a node (this one by default), created if it does not exist."""
+    import ray
+
+    node_id = node_id or current_node_id()
+    actor_cls = ray.remote(NodeStore)
+    options = node_store_options(node_id, config.ray.store_num_cpus)
+    return actor_cls.options(**options).remote(config.model_dump(), node_id)
+
+
+def get_node_store(node_id: str | None = None) -> Any:
+    """The existing store actor of a node; raises StoreUnavailable if there is none."""
+    import ray
+
+    node_id = node_id or current_node_id()
+    try:
+        return ray.get_actor(store_actor_name(node_id), namespace=STORE_NAMESPACE)
+    except ValueError:
+        raise StoreUnavailable(f"no kvstrata node store on node {node_id}; run `kvstrata up`") from None
+
+
+def shutdown_node_store(handle: Any, timeout_s: float = 30.0) -> None:
+    """Take a store down on purpose: unlink its segments, then end the actor."""
+    import ray
+
+    try:
+        ray.get(handle.close.remote(), timeout=timeout_s)
+    finally:
+        ray.kill(handle, no_restart=True)
+
+
+class RayStoreClient:
+    """Blocking calls to a store actor, each bounded by a timeout.
+
+    Used only off the scheduling path: by the manager's control thread and at worker
+    start-up.
+    """
+
+    def __init__(self, handle: Any, timeout_s: float):
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(getattr(self.handle, method).remote(*args), timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise StoreUnavailable(f"node store did not answer {method} within {self.timeout_s}s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise StoreUnavailable(f"node store is down ({type(exc).__name__})") from None
+
+    def register(
+        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None
+    ) -> Registration:
+        return self._call("register", holder, namespace, slot_bytes, layout)
+
+    def step(self, request: StepRequest) -> StepReply:
+        return self._call("step", request)
+
+    def release_holder(self, holder: str) -> None:
+        self._call("release_holder", holder)

@@ -1,0 +1,33 @@
+"""Actor names and options, built in one place so every call site agrees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+STORE_NAMESPACE = "kvstrata"
+STORE_NAME_PREFIX = "kvstrata-node-"
+
+
+def store_actor_name(node_id: str) -> str:
+    return f"{STORE_NAME_PREFIX}{node_id}"
+
+
+def node_tag(node_id: str) -> str:
+    """Short node tag used in shared-memory file names (simulated nodes share /dev/shm)."""
+    return node_id[:12]
+
+
+def node_store_options(node_id: str, num_cpus: float = 0.0) -> dict[str, Any]:
+    """Options for the detached, node-pinned, self-restarting store of one node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {
+        "name": store_actor_name(node_id),
+        "namespace": STORE_NAMESPACE,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "max_restarts": -1,
+        "max_task_retries": 0,
+        "num_cpus": num_cpus,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    }

@@ -1,0 +1,71 @@
+"""Control-plane messages between an engine's manager and its node store.
+
+One `StepRequest` per scheduler step at most, never carrying KV bytes: keys, slot
+numbers and counts only. Requests merge, so a manager that produced several steps'
+worth while a call was in flight sends them as one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRequest:
+    holder: str
+    namespace: str
+    # The store epoch the slots in this request belong to; "" = any (heartbeats).
+    epoch: str = ""
+    known_seq: int = 0
+    pin: list[bytes] = field(default_factory=list)
+    unpin: list[int] = field(default_factory=list)
+    commit: list[tuple[int, bytes]] = field(default_factory=list)
+    release: list[int] = field(default_factory=list)
+    reserve: int = 0
+    # Drop every chunk of the namespace (vLLM reset_prefix_cache(reset_connector=True)).
+    purge: bool = False
+
+    def is_empty(self) -> bool:
+        return not (self.pin or self.unpin or self.commit or self.release or self.reserve or self.purge)
+
+    def merge(self, later: "StepRequest") -> "StepRequest":
+        """Combine two requests in order; slots of an older store epoch are dropped."""
+        if later.epoch != self.epoch:
+            return later
+        return StepRequest(
+            holder=self.holder,
+            namespace=self.namespace,
+            epoch=self.epoch,
+            known_seq=max(self.known_seq, later.known_seq),
+            pin=self.pin + later.pin,
+            unpin=self.unpin + later.unpin,
+            commit=self.commit + later.commit,
+            release=self.release + later.release,
+            reserve=self.reserve + later.reserve,
+            purge=self.purge or later.purge,
+        )
+
+
+@dataclass
+class StepReply:
+    epoch: str
+    seq: int
+    pinned: dict[bytes, int] = field(default_factory=dict)
+    missing: list[bytes] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)
+    added: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+    # True: `added` is the whole index and replaces the engine's mirror.
+    snapshot: bool = False
+    rejected: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Registration:
+    """What an engine (manager or worker) learns when it registers a namespace."""
+
+    epoch: str
+    node_id: str
+    geometry: object  # kvstrata.tiers.arena.PoolGeometry
+    seq: int
+    keys: list[bytes]

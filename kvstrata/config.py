@@ -1,0 +1,160 @@
+"""The YAML schema users write: every tier, its limits, and how stores are placed.
+
+The schema is strict (unknown keys are errors) because a misspelt limit that is
+silently ignored is worse than an engine that refuses to start. Errors name the
+file, the key path and the reason, so an operator can fix the YAML without reading
+a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A tier configuration that cannot be used; the message names file, key and reason."""
+
+
+def parse_size(value: Any) -> int:
+    """Turn `64GiB`, `512 MB`, `1.5GiB` or a plain integer into a byte count."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as '4GiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ValueError(f"expected a size such as '4GiB' or '512MB', got {value!r}")
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CpuTierConfig(_Strict):
+    """The node arena: fixed-size slots in shared memory, shared by every engine."""
+
+    capacity: ByteSize = Field(default=1024**3, gt=0, description="arena budget per node")
+    segment_size: ByteSize = Field(
+        default=256 * 1024**2,
+        gt=0,
+        description="the arena grows in shared-memory files of this size (whole slots)",
+    )
+    shm_dir: str = Field(default="/dev/shm", description="where arena segments live")
+    eviction_policy: str = Field(default="lru", pattern=r"^[a-z_]+$")
+    prefault: bool = Field(
+        default=True, description="touch new segments once so first copies run at memcpy speed"
+    )
+
+
+class TiersConfig(_Strict):
+    cpu: CpuTierConfig = CpuTierConfig()
+
+
+class EngineConfig(_Strict):
+    """How the scheduler-side manager talks to its node store."""
+
+    lease_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="pins and reservations of an engine that stops renewing expire after this",
+    )
+    reserve_slots: int = Field(
+        default=32, ge=1, description="free slots kept reserved so prepare_store never waits"
+    )
+    control_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="bound on one control call to the node store"
+    )
+
+
+class RayConfig(_Strict):
+    address: str = Field(
+        default="auto", description="Ray cluster to join when the process has not joined one"
+    )
+    store_num_cpus: float = Field(default=0.0, ge=0)
+
+
+class KvstrataConfig(_Strict):
+    namespace_prefix: str = Field(
+        default="",
+        max_length=128,
+        description="isolates tenants: chunks of different prefixes never mix",
+    )
+    tiers: TiersConfig = TiersConfig()
+    engine: EngineConfig = EngineConfig()
+    ray: RayConfig = RayConfig()
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    loc = ".".join(str(part) for part in error.get("loc", ())) or "<root>"
+    if error.get("type") == "extra_forbidden":
+        return f"{loc}: unknown key"
+    return f"{loc}: {error.get('msg', 'invalid value')}"
+
+
+def _validate(data: Any, source: str) -> KvstrataConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return KvstrataConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        reasons = "; ".join(_describe(error) for error in exc.errors())
+        raise ConfigError(f"{source}: {reasons}") from None
+
+
+def load_config(source: str | Path | Mapping[str, Any] | KvstrataConfig | None) -> KvstrataConfig:
+    """Load a config from a YAML path, an inline mapping, or None for the built-in default.
+
+    The built-in default is what `configs/local.yaml` spells out: a CPU tier only.
+    """
+    if source is None:
+        return KvstrataConfig()
+    if isinstance(source, KvstrataConfig):
+        return source
+    if isinstance(source, Mapping):
+        return _validate(source, "inline kvstrata config")
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the kvstrata config ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    return _validate(data, str(path))

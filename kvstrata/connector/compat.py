@@ -1,0 +1,105 @@
+"""The one module that imports vLLM: every vLLM name kvstrata uses comes from here.
+
+vLLM marks the offloading API experimental and changes it between minor versions;
+absorbing the differences here keeps the manager, worker and spec version-agnostic.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import vllm
+from packaging.version import Version
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+try:  # 0.32+
+    from vllm.v1.kv_offload.base import Locality
+except ImportError:  # pragma: no cover - older vLLM
+    Locality = None  # type: ignore[assignment,misc]
+
+logger = logging.getLogger(__name__)
+
+MIN_VLLM = Version("0.29")
+MAX_VLLM_EXCLUSIVE = Version("0.34")
+VLLM_VERSION = Version(vllm.__version__.split("+")[0])
+
+
+def check_vllm_version() -> None:
+    """Fail at engine start, with the range, on a vLLM whose offloading API we do not know."""
+    if not (MIN_VLLM <= VLLM_VERSION < MAX_VLLM_EXCLUSIVE):
+        raise RuntimeError(
+            f"kvstrata supports vLLM >= {MIN_VLLM}, < {MAX_VLLM_EXCLUSIVE}; this is vLLM {vllm.__version__}"
+        )
+
+
+def make_event(keys: list[bytes], removed: bool) -> OffloadingEvent:
+    """A CPU-tier event; the node arena is local to the engine's node."""
+    kwargs: dict[str, Any] = {"keys": keys, "medium": Medium.CPU, "removed": removed}
+    if Locality is not None:
+        kwargs["locality"] = Locality.LOCAL
+    return OffloadingEvent(**kwargs)
+
+
+def prefix_hash_algo() -> str:
+    """The prefix-cache hash in use: chunks hashed differently must never meet."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+    except ImportError:  # pragma: no cover - older vLLM
+        current = None
+    if current is None:
+        return "sha256"
+    return str(current.cache_config.prefix_caching_hash_algo)
+
+
+__all__ = [
+    "BlockIDsLoadStoreSpec",
+    "CanonicalKVCaches",
+    "GPULoadStoreSpec",
+    "LoadStoreSpec",
+    "LookupResult",
+    "OffloadKey",
+    "OffloadingConfig",
+    "OffloadingConnectorStats",
+    "OffloadingCounterMetadata",
+    "OffloadingEvent",
+    "OffloadingGaugeMetadata",
+    "OffloadingManager",
+    "OffloadingMetricMetadata",
+    "OffloadingSpec",
+    "OffloadingWorker",
+    "PrepareStoreOutput",
+    "ReqContext",
+    "RequestOffloadingContext",
+    "ScheduleEndContext",
+    "TransferResult",
+    "check_vllm_version",
+    "make_event",
+    "override",
+    "prefix_hash_algo",
+]

@@ -1,0 +1,494 @@
+"""The scheduler-side manager: vLLM's `OffloadingManager` over a shared node store.
+
+Every answer comes from local state; nothing here blocks on the store. The manager
+keeps:
+- a mirror of the store's index for this namespace (which keys are resident), fed by
+  the replies' change lists, so a cold prompt gets MISS without a round trip;
+- the pins it holds (key -> slot), taken through the store, so HIT always means
+  "resident and pinned for this engine" and the load cannot fail;
+- a stock of free slots reserved in advance, so `prepare_store` never waits.
+
+What it learns in a step goes out in one batched request from `on_schedule_end`; the
+control thread sends it. Replies land in an inbox that is applied only at safe points
+(the end of a step, and completion callbacks), never between a `lookup` that said HIT
+and the `prepare_load` that follows it in the same scheduling pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.config import KvstrataConfig
+from kvstrata.connector.compat import (
+    BlockIDsLoadStoreSpec,
+    LookupResult,
+    OffloadingConnectorStats,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    make_event,
+    override,
+)
+from kvstrata.keys import Layout, key_name
+from kvstrata.tiers.arena import PoolGeometry
+
+logger = logging.getLogger(__name__)
+
+# A stock larger than this is hoarding slots other engines on the node could use.
+MAX_RESERVE_TARGET = 4096
+
+COUNTER_NAMES = {
+    "chunks_loaded": "Chunks loaded from the kvstrata node arena into the KV cache.",
+    "chunks_stored": "Chunks written into the kvstrata node arena and committed.",
+    "stores_dropped_no_slot": "Chunks not stored because no reserved arena slot was free.",
+    "stores_failed": "Chunk stores the engine reported as failed.",
+    "pins_missed": "Chunks believed resident that were gone when the pin arrived (misses).",
+    "control_failures": "Control calls to the node store that failed or timed out.",
+}
+GAUGE_NAMES = {
+    "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",
+    "pinned_chunks": "Arena chunks pinned by this engine.",
+}
+
+
+def metric_name(name: str) -> str:
+    return f"kvstrata:{name}"
+
+
+class ArenaSlotsSpec(BlockIDsLoadStoreSpec):
+    """Arena slot numbers of a transfer, with the geometry that locates them.
+
+    Carrying the geometry (a few strings and ints) lets a worker map segments lazily
+    without talking to the store, and keeps a transfer valid even if the store restarts.
+    """
+
+    def __init__(self, slots: list[int], geometry: PoolGeometry):
+        super().__init__(slots)
+        self.geometry = geometry
+
+
+@dataclass
+class _Pin:
+    slot: int
+    epoch: str
+    requests: set[str] = field(default_factory=set)
+    loads: int = 0
+
+
+class StrataManager(OffloadingManager):
+    def __init__(
+        self,
+        client: Any,
+        layout: Layout,
+        config: KvstrataConfig,
+        holder: str,
+        enable_events: bool = False,
+    ):
+        self._client = client
+        self.layout = layout
+        self.namespace = layout.namespace
+        self.holder = holder
+        self._lock = threading.RLock()
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self._reported = dict.fromkeys(COUNTER_NAMES, 0)
+
+        self._mirror: set[bytes] = set()
+        self._pinned: dict[bytes, _Pin] = {}
+        self._pin_waiters: dict[bytes, set[str]] = {}  # asked for, not yet answered
+        self._to_pin: list[bytes] = []  # asked for, not yet sent
+        self._storing: dict[bytes, int] = {}  # prepare_store .. complete_store
+        self._stock: deque[int] = deque()
+        self._reserve_target = config.engine.reserve_slots
+        self._reserve_outstanding = 0
+        self._req_keys: dict[str, set[bytes]] = {}
+        self._out_commit: list[tuple[int, bytes]] = []
+        self._out_unpin: list[int] = []
+        self._out_release: list[int] = []
+        self._unpin_next_step: list[int] = []
+        self._purge_requested = False
+        self._store_demand = 0
+        self._inbox: deque[tuple[str, Any, Any]] = deque()
+
+        registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe())
+        self._thread_epoch = registration.epoch
+        self._adopt(registration)
+        logger.info(
+            "kvstrata manager %s: namespace %s, slot %d bytes, %d chunks already resident on node %s",
+            holder,
+            self.namespace,
+            layout.slot_bytes,
+            len(registration.keys),
+            registration.node_id,
+        )
+        from kvstrata.connector.control import ControlChannel
+
+        self._channel = ControlChannel(
+            send=client.step,
+            on_reply=self._receive_reply,
+            on_failure=self._receive_failure,
+            heartbeat=self._heartbeat_request,
+            heartbeat_s=config.engine.lease_seconds / 3,
+            name=f"kvstrata-control-{holder[:8]}",
+        )
+        self._submit(self._take_request())
+
+    # --- vLLM 0.33: callers hold this while they call us --------------------------
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    # --- lookups and loads --------------------------------------------------------
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        with self._lock:
+            pin = self._pinned.get(key)
+            if pin is not None and pin.epoch == self._epoch:
+                pin.requests.add(req_context.req_id)
+                self._req_keys.setdefault(req_context.req_id, set()).add(key)
+                return LookupResult.HIT
+            if key in self._storing:
+                return LookupResult.HIT_PENDING
+            waiters = self._pin_waiters.get(key)
+            if waiters is not None:
+                waiters.add(req_context.req_id)
+                return LookupResult.RETRY
+            if key in self._mirror:
+                self._pin_waiters[key] = {req_context.req_id}
+                self._to_pin.append(key)
+                return LookupResult.RETRY
+            return LookupResult.MISS
+
+    @override
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ArenaSlotsSpec:
+        with self._lock:
+            slots: list[int] = []
+            for key in keys:
+                pin = self._pinned.get(key)
+                if pin is None:
+                    raise AssertionError(f"kvstrata: prepare_load of chunk {key_name(key)} that was not a HIT")
+                pin.loads += 1
+                slots.append(pin.slot)
+            self._counters["chunks_loaded"] += len(slots)
+            return ArenaSlotsSpec(slots, self._geometry)
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        return None
+
+    @override
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        with self._lock:
+            for key in keys:
+                pin = self._pinned.get(key)
+                if pin is not None and pin.loads > 0:
+                    pin.loads -= 1
+                    pin.requests.discard(req_context.req_id)
+            self._drain_inbox()
+
+    # --- stores ---------------------------------------------------------------------
+
+    @override
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        with self._lock:
+            wanted = [
+                key
+                for key in dict.fromkeys(keys)
+                if key not in self._mirror and key not in self._storing and key not in self._pinned
+            ]
+            if not wanted:
+                return PrepareStoreOutput(keys_to_store=[], store_spec=ArenaSlotsSpec([], self._geometry), evicted_keys=[])
+            self._store_demand += len(wanted)
+            if not self._stock:
+                self._counters["stores_dropped_no_slot"] += len(wanted)
+                return None
+            # Earlier chunks of a prefix are worth more than later ones: keep the head.
+            accepted = wanted[: len(self._stock)]
+            self._counters["stores_dropped_no_slot"] += len(wanted) - len(accepted)
+            slots = [self._stock.popleft() for _ in accepted]
+            for key, slot in zip(accepted, slots):
+                self._storing[key] = slot
+            return PrepareStoreOutput(
+                keys_to_store=list(accepted),
+                store_spec=ArenaSlotsSpec(slots, self._geometry),
+                evicted_keys=[],
+            )
+
+    @override
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        with self._lock:
+            stored: list[bytes] = []
+            for key in keys:
+                slot = self._storing.pop(key, None)
+                if slot is None:
+                    continue  # prepared before a store restart or a reset: nothing to publish
+                if success:
+                    self._out_commit.append((slot, key))
+                    # The store keeps the writer's pin at commit; we hold it until idle.
+                    self._pinned[key] = _Pin(slot, self._epoch)
+                    if key not in self._mirror:
+                        self._mirror.add(key)
+                        stored.append(key)
+                else:
+                    self._out_release.append(slot)
+                    self._counters["stores_failed"] += 1
+            self._counters["chunks_stored"] += len(stored)
+            if stored and self._events is not None:
+                self._events.append(make_event(stored, removed=False))
+            self._drain_inbox()
+
+    # --- request and step boundaries ---------------------------------------------------
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        with self._lock:
+            req_id = req_context.req_id
+            for key in self._req_keys.pop(req_id, ()):
+                pin = self._pinned.get(key)
+                if pin is not None:
+                    pin.requests.discard(req_id)
+            for waiters in self._pin_waiters.values():
+                waiters.discard(req_id)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        with self._lock:
+            self._drain_inbox()
+            self._release_idle_pins()
+            demand, self._store_demand = self._store_demand, 0
+            if demand > len(self._stock):
+                self._reserve_target = min(MAX_RESERVE_TARGET, max(self._reserve_target, 2 * demand))
+            request = self._take_request()
+            if not request.is_empty():
+                self._submit(request)
+
+    @override
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            return bool(self._pin_waiters or self._inbox)
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        with self._lock:
+            if not self._events:
+                return []
+            events, self._events = self._events, []
+            return events
+
+    @override
+    def reset_cache(self) -> None:
+        """vLLM's reset_prefix_cache(reset_connector=True): purge this namespace on the node.
+
+        Pins are released one step late: vLLM flushes in-flight loads to the workers in
+        the next step, and a slot must not be reused while a load may still read it.
+        """
+        with self._lock:
+            self._unpin_next_step.extend(p.slot for p in self._pinned.values() if p.epoch == self._epoch)
+            self._pinned.clear()
+            self._pin_waiters.clear()
+            self._to_pin.clear()
+            self._out_release.extend(self._storing.values())
+            self._storing.clear()
+            self._mirror.clear()
+            self._req_keys.clear()
+            self._purge_requested = True
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        with self._lock:
+            stats = OffloadingConnectorStats()
+            for name, value in self._counters.items():
+                delta = value - self._reported[name]
+                if delta:
+                    stats.increase_counter(metric_name(name), delta)
+                    self._reported[name] = value
+            stats.set_gauge(metric_name("reserved_slots"), len(self._stock))
+            stats.set_gauge(metric_name("pinned_chunks"), len(self._pinned))
+            return stats
+
+    @override
+    def shutdown(self) -> None:
+        """Give every pin and reserved slot back at once instead of waiting for the lease."""
+        self._channel.close()
+        try:
+            self._client.release_holder(self.holder)
+        except Exception as exc:  # noqa: BLE001 - the lease frees them anyway
+            logger.warning("kvstrata manager %s: could not release its slots at shutdown: %s", self.holder, exc)
+
+    # --- introspection (tests, tools) -------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the store answered everything sent; applies the answers. Never used by vLLM."""
+        done = self._channel.wait_idle(timeout_s)
+        with self._lock:
+            self._drain_inbox()
+        return done
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _adopt(self, registration: Registration) -> None:
+        self._epoch = registration.epoch
+        self._geometry: PoolGeometry = registration.geometry
+        self._seq = registration.seq
+        self._mirror = set(registration.keys)
+
+    def _take_request(self) -> StepRequest:
+        want = self._reserve_target - len(self._stock) - self._reserve_outstanding
+        request = StepRequest(
+            holder=self.holder,
+            namespace=self.namespace,
+            epoch=self._epoch,
+            known_seq=self._seq,
+            pin=self._to_pin,
+            unpin=self._out_unpin,
+            commit=self._out_commit,
+            release=self._out_release,
+            reserve=max(0, want),
+            purge=self._purge_requested,
+        )
+        self._reserve_outstanding += request.reserve
+        self._to_pin, self._out_unpin, self._out_commit, self._out_release = [], [], [], []
+        self._out_unpin.extend(self._unpin_next_step)
+        self._unpin_next_step = []
+        self._purge_requested = False
+        return request
+
+    def _heartbeat_request(self) -> StepRequest:
+        with self._lock:
+            return StepRequest(holder=self.holder, namespace=self.namespace, epoch=self._epoch, known_seq=self._seq)
+
+    def _submit(self, request: StepRequest) -> None:
+        self._channel.submit(request)
+
+    def _release_idle_pins(self) -> None:
+        for key, pin in list(self._pinned.items()):
+            if pin.requests or pin.loads:
+                continue
+            del self._pinned[key]
+            if pin.epoch == self._epoch:
+                self._out_unpin.append(pin.slot)
+
+    # Called on the control thread: only records, never touches manager state.
+    def _receive_reply(self, request: StepRequest, reply: StepReply) -> None:
+        if reply.epoch != self._thread_epoch:
+            try:
+                registration = self._client.register(
+                    self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe()
+                )
+            except Exception as exc:  # noqa: BLE001
+                self._receive_failure(request, exc)
+                return
+            self._thread_epoch = registration.epoch
+            logger.warning(
+                "kvstrata manager %s: node store restarted (epoch %s); dropping old pins and slots",
+                self.holder,
+                registration.epoch,
+            )
+            with self._lock:
+                self._inbox.append(("reset", request, registration))
+            return
+        with self._lock:
+            self._inbox.append(("reply", request, reply))
+
+    def _receive_failure(self, request: StepRequest, exc: Exception) -> None:
+        with self._lock:
+            self._inbox.append(("failure", request, exc))
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, request, payload = self._inbox.popleft()
+            if kind == "reply":
+                self._apply_reply(request, payload)
+            elif kind == "failure":
+                self._apply_failure(request)
+            else:
+                self._apply_reset(payload)
+
+    def _apply_reply(self, request: StepRequest, reply: StepReply) -> None:
+        if request.epoch != self._epoch:
+            return
+        self._reserve_outstanding -= request.reserve
+        self._stock.extend(reply.reserved)
+        for key, slot in reply.pinned.items():
+            waiters = self._pin_waiters.pop(key, set())
+            held = self._pinned.get(key)
+            if held is None:
+                self._pinned[key] = _Pin(slot, self._epoch, requests=waiters)
+            else:
+                held.requests |= waiters
+                if held.slot != slot:
+                    self._out_unpin.append(slot)
+        for key in reply.missing:
+            if key in self._pin_waiters:
+                del self._pin_waiters[key]
+                self._counters["pins_missed"] += 1
+            self._mirror.discard(key)
+        if reply.snapshot:
+            fresh = set(reply.added)
+            removed = [key for key in self._mirror if key not in fresh and key not in self._pinned]
+            added = [key for key in fresh if key not in self._mirror]
+            self._mirror = fresh | set(self._pinned)
+        else:
+            added = [key for key in reply.added if key not in self._mirror]
+            removed = [key for key in reply.removed if key in self._mirror and key not in self._pinned]
+            self._mirror.update(added)
+            self._mirror.difference_update(removed)
+        self._seq = reply.seq
+        if self._events is not None:
+            if added:
+                self._events.append(make_event(added, removed=False))
+            if removed:
+                self._events.append(make_event(removed, removed=True))
+        if reply.rejected:
+            logger.warning("kvstrata manager %s: store rejected %d operations: %s", self.holder, len(reply.rejected), reply.rejected[0])
+
+    def _apply_failure(self, request: StepRequest) -> None:
+        self._counters["control_failures"] += 1
+        if request.epoch != self._epoch:
+            return
+        self._reserve_outstanding -= request.reserve
+        # Unpins, releases and commits are idempotent on the store: send them again.
+        self._out_unpin.extend(request.unpin)
+        self._out_release.extend(request.release)
+        self._out_commit.extend(request.commit)
+        self._purge_requested |= request.purge
+        # Pins we could not get are misses: the engine recomputes instead of waiting.
+        for key in request.pin:
+            if self._pin_waiters.pop(key, None) is not None:
+                self._mirror.discard(key)
+
+    def _apply_reset(self, registration: Registration) -> None:
+        # Slots of the old epoch mean nothing to the new store. Loads already prepared
+        # keep their geometry and finish from the old segments, which the new store
+        # unlinks only after a lease period.
+        self._stock.clear()
+        self._reserve_outstanding = 0
+        self._storing.clear()
+        self._pin_waiters.clear()
+        self._to_pin.clear()
+        self._out_commit.clear()
+        self._out_unpin.clear()
+        self._out_release.clear()
+        self._unpin_next_step.clear()
+        for key in [k for k, p in self._pinned.items() if not p.loads]:
+            del self._pinned[key]
+        self._adopt(registration)

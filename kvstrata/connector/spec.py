@@ -1,0 +1,96 @@
+"""`StrataSpec`: what vLLM's OffloadingConnector instantiates from the extra config.
+
+Built in the API server (class only, for metric definitions), in the scheduler and in
+every worker. Construction parses the YAML (so a bad file fails at engine start with
+its name, key and reason) and touches neither Ray nor the store; the scheduler joins
+Ray when it first asks for its manager, the workers never do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kvstrata.config import KvstrataConfig, load_config
+from kvstrata.connector.compat import (
+    CanonicalKVCaches,
+    OffloadingConfig,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+    check_vllm_version,
+    override,
+    prefix_hash_algo,
+)
+from kvstrata.connector.manager import COUNTER_NAMES, GAUGE_NAMES, StrataManager, metric_name
+from kvstrata.keys import Layout
+
+
+def build_layout(config: OffloadingConfig, kvstrata_config: KvstrataConfig) -> Layout:
+    """The layout namespace of an engine: everything that makes its KV bytes what they are."""
+    parallel = config.parallel
+    return Layout(
+        model=config.model.name,
+        dtype=config.model.dtype,
+        kv_cache_layout=str(getattr(config, "kv_cache_layout", None) or ""),
+        tokens_per_block=tuple(group.tokens_per_block for group in config.groups),
+        group_ids=tuple(group.group_id for group in config.groups),
+        tokens_per_hash=config.cache.tokens_per_hash,
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+        world_size=parallel.world_size,
+        tp_size=parallel.tp_size,
+        pp_size=parallel.pp_size,
+        pcp_size=getattr(parallel, "pcp_size", 1),
+        dcp_size=getattr(parallel, "dcp_size", 1),
+        hash_algo=prefix_hash_algo(),
+        namespace_prefix=kvstrata_config.namespace_prefix,
+    )
+
+
+class StrataSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        definitions: dict[str, OffloadingMetricMetadata] = {
+            metric_name(name): OffloadingCounterMetadata(documentation=doc) for name, doc in COUNTER_NAMES.items()
+        }
+        definitions.update(
+            {metric_name(name): OffloadingGaugeMetadata(documentation=doc) for name, doc in GAUGE_NAMES.items()}
+        )
+        return definitions
+
+    def __init__(self, config: OffloadingConfig):
+        check_vllm_version()
+        super().__init__(config)
+        self.kvstrata_config = load_config(self.extra_config.get("config"))
+        self.layout = build_layout(config, self.kvstrata_config)
+        self._manager: StrataManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    @override
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            from kvstrata.actors.client import RayStoreClient, ensure_node_store, join_cluster
+
+            cfg = self.kvstrata_config
+            join_cluster(cfg.ray.address)
+            client = RayStoreClient(ensure_node_store(cfg), cfg.engine.control_timeout_seconds)
+            self._manager = StrataManager(
+                client,
+                self.layout,
+                cfg,
+                holder=f"{self.config.engine_id}-{os.getpid()}",
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+            )
+        return self._manager
+
+    @override
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            from kvstrata.connector.worker import StrataWorker
+
+            self._worker = StrataWorker(kv_caches, self.layout, self.config.parallel.rank)
+        return self._worker

@@ -1,0 +1,85 @@
+"""The worker-side adapter: vLLM transfer specs in, copy-engine calls out.
+
+The worker never talks to the store: each transfer spec carries the arena geometry,
+and the bytes move through shared memory only. Every rank reports every job, as
+vLLM requires. Copy failures are not caught: vLLM asserts every transfer succeeds,
+and a half-written chunk must never be published, so a broken layout fails loudly at
+the first transfer rather than serving wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvstrata.connector.compat import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+    override,
+)
+from kvstrata.connector.copy_engine import CopyEngine, GroupRef
+from kvstrata.connector.manager import ArenaSlotsSpec
+from kvstrata.keys import Layout
+
+logger = logging.getLogger(__name__)
+
+
+class StrataWorker(OffloadingWorker):
+    def __init__(self, kv_caches: CanonicalKVCaches, layout: Layout, rank: int):
+        tensors = [
+            entry.tensor.view(torch.int8).view(-1, entry.page_size_bytes) for entry in kv_caches.tensors
+        ]
+        group_refs = [
+            [GroupRef(ref.tensor_idx, ref.page_size_bytes) for ref in refs] for refs in kv_caches.group_data_refs
+        ]
+        self.engine = CopyEngine(
+            tensors,
+            group_refs,
+            blocks_per_chunk=layout.blocks_per_chunk,
+            rank=rank,
+            rank_stride=layout.rank_bytes,
+        )
+        logger.info(
+            "kvstrata worker rank %d: %d KV tensors, %d groups, %s copies",
+            rank,
+            len(tensors),
+            len(group_refs),
+            "CUDA" if self.engine.is_cuda else "CPU",
+        )
+
+    @override
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, ArenaSlotsSpec)
+        self.engine.store(
+            job_id, dst_spec.geometry, src_spec.block_ids, src_spec.group_sizes, src_spec.block_indices, dst_spec.block_ids
+        )
+        return True
+
+    @override
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False
+    ) -> bool:
+        assert isinstance(src_spec, ArenaSlotsSpec)
+        self.engine.load(
+            job_id, src_spec.geometry, src_spec.block_ids, dst_spec.block_ids, dst_spec.group_sizes, dst_spec.block_indices
+        )
+        return True
+
+    @override
+    def get_finished(self) -> list[TransferResult]:
+        return [
+            TransferResult(job_id=c.job_id, success=c.success, transfer_size=c.num_bytes, transfer_time=c.seconds)
+            for c in self.engine.finished()
+        ]
+
+    @override
+    def wait(self, job_ids: set[int]) -> None:
+        self.engine.wait(job_ids)
+
+    @override
+    def shutdown(self) -> None:
+        self.engine.close()

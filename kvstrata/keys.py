@@ -1,0 +1,81 @@
+"""Chunk keys and the layout namespace: the floor every other module stands on.
+
+vLLM names a chunk by `OffloadKey` = block hash ‖ 4-byte big-endian KV group index.
+We keep those bytes unchanged everywhere (arena index, names, events) so a hybrid
+model's groups never collide. Bytes are only comparable inside one *layout
+namespace*: the digest of everything that makes KV bytes incompatible. Chunks of
+different namespaces never mix in any tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+GROUP_BYTES = 4
+# Slots are page aligned: DMA registration and O_DIRECT both want it.
+SLOT_ALIGNMENT = 4096
+
+
+def make_key(block_hash: bytes, group_idx: int) -> bytes:
+    """Same encoding as vLLM's `make_offload_key`, without importing vLLM."""
+    return bytes(block_hash) + group_idx.to_bytes(GROUP_BYTES, "big", signed=False)
+
+
+def key_group(key: bytes) -> int:
+    return int.from_bytes(key[-GROUP_BYTES:], "big", signed=False)
+
+
+def key_hash(key: bytes) -> bytes:
+    return key[:-GROUP_BYTES]
+
+
+def key_name(key: bytes) -> str:
+    """Readable, file-safe name of a chunk: `<hash hex>-g<group>`."""
+    return f"{key_hash(key).hex()}-g{key_group(key)}"
+
+
+def align_up(value: int, alignment: int = SLOT_ALIGNMENT) -> int:
+    return -(-value // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything that decides whether two engines' KV bytes are interchangeable."""
+
+    model: str
+    dtype: str
+    kv_cache_layout: str
+    tokens_per_block: tuple[int, ...]
+    group_ids: tuple[int, ...]
+    tokens_per_hash: int
+    blocks_per_chunk: int
+    worker_kv_bytes_per_block: int
+    world_size: int
+    tp_size: int
+    pp_size: int
+    pcp_size: int
+    dcp_size: int
+    hash_algo: str
+    namespace_prefix: str = ""
+
+    @property
+    def rank_bytes(self) -> int:
+        """Bytes one worker rank writes into a chunk's slot."""
+        return self.worker_kv_bytes_per_block * self.blocks_per_chunk
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one chunk across all ranks, rounded up to the slot alignment."""
+        return align_up(self.rank_bytes * self.world_size)
+
+    @property
+    def namespace(self) -> str:
+        """Stable digest of the layout; also part of file and object names."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        digest = hashlib.blake2b(canonical.encode(), digest_size=10).hexdigest()
+        return digest
+
+    def describe(self) -> dict[str, object]:
+        return {"namespace": self.namespace, "slot_bytes": self.slot_bytes, **asdict(self)}

@@ -1,0 +1,1 @@
+"""Storage engines in plain Python: no Ray, no vLLM, unit-testable alone."""

@@ -1,0 +1,404 @@
+"""The node arena: fixed-size slots in shared-memory files, one pool per layout namespace.
+
+Invariants the rest of the system relies on:
+- A slot is in exactly one state: free, reserved (by one holder), committed (indexed
+  under one key), or orphaned (committed bytes no longer indexed, kept alive only by
+  pins). Bytes of a committed or orphaned slot never change until it is freed.
+- Eviction only takes committed slots that nobody pins; reserved slots and pinned
+  slots are never touched, so a HIT handed to vLLM stays loadable.
+- Pins and reservations belong to a holder (an engine) and die with its lease.
+- Segments are named with the arena's epoch, so a restarted store never hands out a
+  file that a worker of the previous store still has mapped under the same name.
+- The arena never shrinks while it lives; budget is shared by all namespaces.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstrata.keys import key_name
+from kvstrata.tiers.leases import LeaseTable
+from kvstrata.tiers.policies import EvictionPolicy, make_policy
+from kvstrata.tiers.shm import SharedMemoryFile
+
+logger = logging.getLogger(__name__)
+
+FILE_PREFIX = "kvstrata"
+# How many index changes a pool remembers for engines catching up incrementally.
+CHANGE_LOG_LENGTH = 65536
+
+
+class SlotError(ValueError):
+    """A request about a slot that the caller does not own; names the slot and namespace."""
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What a worker needs to find slot bytes: pure data, sent over Ray."""
+
+    namespace: str
+    slot_bytes: int
+    slots_per_segment: int
+    path_template: str  # format() with segment=<int>
+
+    def segment_path(self, segment: int) -> str:
+        return self.path_template.format(segment=segment)
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(segment index, byte offset in that segment) of a slot."""
+        segment, index = divmod(slot, self.slots_per_segment)
+        return segment, index * self.slot_bytes
+
+
+@dataclass(frozen=True)
+class Changes:
+    seq: int
+    added: list[bytes]
+    removed: list[bytes]
+
+
+class SlotPool:
+    """Slots of one layout namespace. Not thread-safe: the node store serialises calls."""
+
+    def __init__(self, arena: "Arena", geometry: PoolGeometry, policy: EvictionPolicy):
+        self.arena = arena
+        self.geometry = geometry
+        self.policy = policy
+        self.segments: list[SharedMemoryFile] = []
+        self.num_slots = 0
+        self._free: list[int] = []
+        self._reserved: dict[int, str] = {}
+        self._slot_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._orphans: set[int] = set()
+        self._pins: dict[int, set[str]] = {}
+        self._held: dict[str, set[int]] = {}
+        self._seq = 0
+        self._log: deque[tuple[int, bytes, bool]] = deque(maxlen=CHANGE_LOG_LENGTH)
+        self.counters = {"evicted": 0, "committed": 0, "duplicate_commits": 0, "reserve_shortfall": 0}
+
+    @property
+    def namespace(self) -> str:
+        return self.geometry.namespace
+
+    # --- index views -------------------------------------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slot_of
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._slot_of.get(key)
+
+    def keys(self) -> list[bytes]:
+        return list(self._slot_of)
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def changes_since(self, seq: int) -> Changes | None:
+        """Index changes after `seq`, or None when the log no longer reaches back that far."""
+        if seq == self._seq:
+            return Changes(self._seq, [], [])
+        if seq > self._seq or (self._log and self._log[0][0] > seq + 1) or (not self._log and seq != self._seq):
+            return None
+        added: dict[bytes, None] = {}
+        removed: dict[bytes, None] = {}
+        for entry_seq, key, was_added in self._log:
+            if entry_seq <= seq:
+                continue
+            if was_added:
+                removed.pop(key, None)
+                added[key] = None
+            else:
+                added.pop(key, None)
+                removed[key] = None
+        return Changes(self._seq, list(added), list(removed))
+
+    def view(self, slot: int) -> np.ndarray:
+        """The bytes of one slot (a view into shared memory)."""
+        if not 0 <= slot < self.num_slots:
+            raise SlotError(f"slot {slot} does not exist in namespace {self.namespace}")
+        segment, offset = self.geometry.locate(slot)
+        return self.segments[segment].array[offset : offset + self.geometry.slot_bytes]
+
+    # --- state transitions -----------------------------------------------------------
+
+    def reserve(self, holder: str, count: int) -> list[int]:
+        """Up to `count` free slots for `holder`, growing the arena or evicting LRU chunks."""
+        granted: list[int] = []
+        while len(granted) < count:
+            if not self._free and not self._grow() and not self._evict_one():
+                self.counters["reserve_shortfall"] += count - len(granted)
+                break
+            slot = self._free.pop()
+            self._reserved[slot] = holder
+            granted.append(slot)
+        return granted
+
+    def release(self, holder: str, slots: Iterable[int]) -> None:
+        """Return reserved slots that will not be written (failed or unused stores)."""
+        for slot in slots:
+            if self._reserved.get(slot) == holder:
+                del self._reserved[slot]
+                self._free.append(slot)
+
+    def commit(self, holder: str, slot: int, key: bytes) -> bool:
+        """Publish a written slot under `key`; the writer keeps a pin on it.
+
+        Returns False when another engine committed the same key first: the slot is then
+        kept as an orphan for as long as the writer pins it (its loads may already point
+        at it), and the index keeps the first copy.
+        """
+        if self._reserved.get(slot) != holder:
+            raise SlotError(
+                f"cannot commit chunk {key_name(key)}: slot {slot} of namespace "
+                f"{self.namespace} is not reserved by {holder}"
+            )
+        del self._reserved[slot]
+        self._pin_slot(holder, slot)
+        if key in self._slot_of:
+            self._orphans.add(slot)
+            self.counters["duplicate_commits"] += 1
+            return False
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self.policy.add(slot)
+        self._record(key, added=True)
+        self.counters["committed"] += 1
+        return True
+
+    def pin(self, holder: str, keys: Iterable[bytes]) -> dict[bytes, int]:
+        """Pin the resident keys for `holder`; absent keys are simply left out."""
+        pinned: dict[bytes, int] = {}
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                continue
+            self._pin_slot(holder, slot)
+            self.policy.touch(slot)
+            pinned[key] = slot
+        return pinned
+
+    def unpin(self, holder: str, slots: Iterable[int]) -> None:
+        for slot in slots:
+            holders = self._pins.get(slot)
+            if holders is None or holder not in holders:
+                continue
+            holders.discard(holder)
+            self._held[holder].discard(slot)
+            if not holders:
+                del self._pins[slot]
+                if slot in self._orphans:
+                    self._orphans.discard(slot)
+                    self._free.append(slot)
+
+    def drop_holder(self, holder: str) -> int:
+        """Forget every pin and reservation of a holder (lease expired or engine gone)."""
+        pinned = list(self._held.get(holder, ()))
+        self.unpin(holder, pinned)
+        self._held.pop(holder, None)
+        reserved = [slot for slot, owner in self._reserved.items() if owner == holder]
+        self.release(holder, reserved)
+        return len(pinned) + len(reserved)
+
+    def purge(self) -> int:
+        """Drop every indexed chunk; pinned ones become orphans until unpinned."""
+        removed = 0
+        for key, slot in list(self._slot_of.items()):
+            self._remove_index(key, slot)
+            if slot in self._pins:
+                self._orphans.add(slot)
+            else:
+                self._free.append(slot)
+            removed += 1
+        return removed
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "slots": self.num_slots,
+            "slot_bytes": self.geometry.slot_bytes,
+            "segments": len(self.segments),
+            "resident": len(self._slot_of),
+            "free": len(self._free),
+            "reserved": len(self._reserved),
+            "pinned": len(self._pins),
+            "orphans": len(self._orphans),
+            **self.counters,
+        }
+
+    def close(self) -> None:
+        for segment in self.segments:
+            segment.close()
+        self.segments.clear()
+
+    # --- internals -------------------------------------------------------------------
+
+    def _pin_slot(self, holder: str, slot: int) -> None:
+        self._pins.setdefault(slot, set()).add(holder)
+        self._held.setdefault(holder, set()).add(slot)
+
+    def _record(self, key: bytes, added: bool) -> None:
+        self._seq += 1
+        self._log.append((self._seq, key, added))
+
+    def _remove_index(self, key: bytes, slot: int) -> None:
+        del self._slot_of[key]
+        del self._key_of[slot]
+        self.policy.remove(slot)
+        self._record(key, added=False)
+
+    def _evict_one(self) -> bool:
+        for slot in self.policy.candidates():
+            if slot in self._pins:
+                continue
+            self._remove_index(self._key_of[slot], slot)
+            self._free.append(slot)
+            self.counters["evicted"] += 1
+            return True
+        return False
+
+    def _grow(self) -> bool:
+        segment_index = len(self.segments)
+        slots = self.arena.grant_slots(self.geometry.slot_bytes, self.geometry.slots_per_segment)
+        if slots == 0:
+            return False
+        path = self.geometry.segment_path(segment_index)
+        segment = SharedMemoryFile.create(path, slots * self.geometry.slot_bytes, prefault=self.arena.prefault)
+        self.segments.append(segment)
+        first = segment_index * self.geometry.slots_per_segment
+        # Hand out low slot numbers first: pop() takes from the end.
+        self._free.extend(range(first + slots - 1, first - 1, -1))
+        self.num_slots = first + slots
+        return True
+
+
+class Arena:
+    """The CPU tier of one node: a byte budget shared by per-namespace slot pools."""
+
+    def __init__(
+        self,
+        shm_dir: str,
+        node_tag: str,
+        capacity: int,
+        segment_size: int,
+        lease_seconds: float,
+        eviction_policy: str = "lru",
+        prefault: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if capacity <= 0:
+            raise ValueError(f"tiers.cpu.capacity must be positive, got {capacity}")
+        if not os.path.isdir(shm_dir):
+            raise ValueError(f"tiers.cpu.shm_dir: {shm_dir} is not a directory")
+        make_policy(eviction_policy)  # fail now, not at the first namespace
+        self.shm_dir = shm_dir
+        self.node_tag = node_tag
+        self.capacity = capacity
+        self.segment_size = segment_size
+        self.eviction_policy = eviction_policy
+        self.prefault = prefault
+        self.epoch = secrets.token_hex(4)
+        self.leases = LeaseTable(lease_seconds, clock)
+        self._clock = clock
+        self._allocated = 0
+        self.pools: dict[str, SlotPool] = {}
+        # Files of a previous store on this node: unlinked once every lease it granted
+        # has run out, so in-flight loads of its engines still find their bytes.
+        self._stale = [
+            path
+            for path in glob.glob(os.path.join(shm_dir, f"{FILE_PREFIX}-{node_tag}-*"))
+            if f"-{self.epoch}-" not in path
+        ]
+        self._stale_deadline = clock() + lease_seconds
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._allocated
+
+    def pool(self, namespace: str, slot_bytes: int) -> SlotPool:
+        """The pool of a namespace, created on first use."""
+        pool = self.pools.get(namespace)
+        if pool is not None:
+            if pool.geometry.slot_bytes != slot_bytes:
+                raise ValueError(
+                    f"namespace {namespace}: slot size {slot_bytes} differs from the "
+                    f"existing pool's {pool.geometry.slot_bytes}"
+                )
+            return pool
+        if slot_bytes <= 0:
+            raise ValueError(f"namespace {namespace}: slot size must be positive, got {slot_bytes}")
+        slots_per_segment = max(1, self.segment_size // slot_bytes)
+        template = os.path.join(
+            self.shm_dir, f"{FILE_PREFIX}-{self.node_tag}-{self.epoch}-{namespace}-{{segment:04d}}"
+        )
+        geometry = PoolGeometry(namespace, slot_bytes, slots_per_segment, template)
+        pool = SlotPool(self, geometry, make_policy(self.eviction_policy))
+        self.pools[namespace] = pool
+        logger.info(
+            "kvstrata arena: new pool for namespace %s (slot %d bytes, %d slots per segment)",
+            namespace,
+            slot_bytes,
+            slots_per_segment,
+        )
+        return pool
+
+    def grant_slots(self, slot_bytes: int, wanted: int) -> int:
+        """How many slots of this size a new segment may have within the budget (0 = none)."""
+        slots = min(wanted, (self.capacity - self._allocated) // slot_bytes)
+        if slots <= 0:
+            return 0
+        self._allocated += slots * slot_bytes
+        return slots
+
+    def renew(self, holder: str) -> None:
+        self.leases.renew(holder)
+
+    def expire(self) -> list[str]:
+        """Drop holders whose lease ran out; returns them. Called on every store call."""
+        expired = self.leases.take_expired()
+        for holder in expired:
+            dropped = sum(pool.drop_holder(holder) for pool in self.pools.values())
+            logger.warning("kvstrata arena: lease of %s expired; released %d slots", holder, dropped)
+        if self._stale and self._clock() >= self._stale_deadline:
+            for path in self._stale:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            logger.info("kvstrata arena: removed %d segments of a previous store", len(self._stale))
+            self._stale = []
+        return expired
+
+    def release_holder(self, holder: str) -> None:
+        """An engine that shuts down cleanly gives everything back at once."""
+        self.leases.release(holder)
+        for pool in self.pools.values():
+            pool.drop_holder(holder)
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "epoch": self.epoch,
+            "capacity": self.capacity,
+            "allocated": self._allocated,
+            "holders": self.leases.holders(),
+            "pools": {namespace: pool.stats() for namespace, pool in self.pools.items()},
+        }
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+        self._allocated = 0

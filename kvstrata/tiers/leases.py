@@ -1,0 +1,41 @@
+"""Leases: pins and reservations belong to an engine only while it keeps renewing.
+
+vLLM kills nothing on our behalf: an engine that crashes never unpins. Every holder
+therefore has a deadline, renewed by each control call (and a heartbeat when idle);
+a holder past its deadline loses everything it held, so no slot is wedged forever.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class LeaseTable:
+    def __init__(self, duration_s: float, clock: Callable[[], float] = time.monotonic):
+        if duration_s <= 0:
+            raise ValueError(f"lease duration must be positive, got {duration_s}")
+        self.duration_s = duration_s
+        self._clock = clock
+        self._deadlines: dict[str, float] = {}
+
+    def renew(self, holder: str, duration_s: float | None = None) -> None:
+        self._deadlines[holder] = self._clock() + (duration_s or self.duration_s)
+
+    def release(self, holder: str) -> None:
+        self._deadlines.pop(holder, None)
+
+    def alive(self, holder: str) -> bool:
+        deadline = self._deadlines.get(holder)
+        return deadline is not None and deadline > self._clock()
+
+    def take_expired(self) -> list[str]:
+        """Holders whose lease ran out; they are forgotten here and must be dropped by the caller."""
+        now = self._clock()
+        expired = [holder for holder, deadline in self._deadlines.items() if deadline <= now]
+        for holder in expired:
+            del self._deadlines[holder]
+        return expired
+
+    def holders(self) -> list[str]:
+        return list(self._deadlines)
