@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvstrata.actors.options import node_tag
@@ -23,7 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 class NodeStore:
-    def __init__(self, config: KvstrataConfig | Mapping[str, Any] | None, node_id: str):
+    def __init__(
+        self,
+        config: KvstrataConfig | Mapping[str, Any] | None,
+        node_id: str,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = load_config(config)
         self.node_id = node_id
         cpu = self.config.tiers.cpu
@@ -35,6 +41,7 @@ class NodeStore:
             lease_seconds=self.config.engine.lease_seconds,
             eviction_policy=cpu.eviction_policy,
             prefault=cpu.prefault,
+            clock=clock,
         )
         self.layouts: dict[str, dict[str, object]] = {}
         logger.info(
@@ -84,6 +91,7 @@ class NodeStore:
                 rejected.append(str(exc))
         pool.release(request.holder, request.release)
         pool.unpin(request.holder, request.unpin)
+        pool.touch(request.touch)
         pinned = pool.pin(request.holder, request.pin)
         missing = [key for key in request.pin if key not in pinned]
         reserved = pool.reserve(request.holder, request.reserve) if request.reserve else []

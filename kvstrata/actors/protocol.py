@@ -18,6 +18,8 @@ class StepRequest:
     epoch: str = ""
     known_seq: int = 0
     pin: list[bytes] = field(default_factory=list)
+    # Resident keys the engine saw reused (offered again, GPU prefix hits): recency only.
+    touch: list[bytes] = field(default_factory=list)
     unpin: list[int] = field(default_factory=list)
     commit: list[tuple[int, bytes]] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
@@ -26,7 +28,7 @@ class StepRequest:
     purge: bool = False
 
     def is_empty(self) -> bool:
-        return not (self.pin or self.unpin or self.commit or self.release or self.reserve or self.purge)
+        return not (self.pin or self.touch or self.unpin or self.commit or self.release or self.reserve or self.purge)
 
     def merge(self, later: "StepRequest") -> "StepRequest":
         """Combine two requests in order; slots of an older store epoch are dropped."""
@@ -38,6 +40,7 @@ class StepRequest:
             epoch=self.epoch,
             known_seq=max(self.known_seq, later.known_seq),
             pin=self.pin + later.pin,
+            touch=self.touch + later.touch,
             unpin=self.unpin + later.unpin,
             commit=self.commit + later.commit,
             release=self.release + later.release,

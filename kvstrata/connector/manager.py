@@ -107,6 +107,7 @@ class StrataManager(OffloadingManager):
         self._pinned: dict[bytes, _Pin] = {}
         self._pin_waiters: dict[bytes, set[str]] = {}  # asked for, not yet answered
         self._to_pin: list[bytes] = []  # asked for, not yet sent
+        self._to_touch: list[bytes] = []
         self._storing: dict[bytes, int] = {}  # prepare_store .. complete_store
         self._stock: deque[int] = deque()
         self._reserve_target = config.engine.reserve_slots
@@ -118,6 +119,7 @@ class StrataManager(OffloadingManager):
         self._unpin_next_step: list[int] = []
         self._purge_requested = False
         self._store_demand = 0
+        self._store_dropped = 0
         self._inbox: deque[tuple[str, Any, Any]] = deque()
 
         registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe())
@@ -190,7 +192,8 @@ class StrataManager(OffloadingManager):
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        return None
+        with self._lock:
+            self._to_touch.extend(key for key in keys if key in self._mirror)
 
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -207,20 +210,21 @@ class StrataManager(OffloadingManager):
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         with self._lock:
-            wanted = [
-                key
-                for key in dict.fromkeys(keys)
-                if key not in self._mirror and key not in self._storing and key not in self._pinned
-            ]
+            wanted = []
+            for key in dict.fromkeys(keys):
+                if key in self._mirror:
+                    self._to_touch.append(key)  # reused: keep it young in the LRU
+                elif key not in self._storing and key not in self._pinned:
+                    wanted.append(key)
             if not wanted:
                 return PrepareStoreOutput(keys_to_store=[], store_spec=ArenaSlotsSpec([], self._geometry), evicted_keys=[])
             self._store_demand += len(wanted)
-            if not self._stock:
-                self._counters["stores_dropped_no_slot"] += len(wanted)
-                return None
             # Earlier chunks of a prefix are worth more than later ones: keep the head.
             accepted = wanted[: len(self._stock)]
+            self._store_dropped += len(wanted) - len(accepted)
             self._counters["stores_dropped_no_slot"] += len(wanted) - len(accepted)
+            if not accepted:
+                return None
             slots = [self._stock.popleft() for _ in accepted]
             for key, slot in zip(accepted, slots):
                 self._storing[key] = slot
@@ -272,11 +276,13 @@ class StrataManager(OffloadingManager):
             self._drain_inbox()
             self._release_idle_pins()
             demand, self._store_demand = self._store_demand, 0
-            if demand > len(self._stock):
-                self._reserve_target = min(MAX_RESERVE_TARGET, max(self._reserve_target, 2 * demand))
-            request = self._take_request()
-            if not request.is_empty():
-                self._submit(request)
+            dropped, self._store_dropped = self._store_dropped, 0
+            if dropped:
+                # The stock ran dry this step: keep enough for a step like this one.
+                self._reserve_target = min(MAX_RESERVE_TARGET, max(2 * self._reserve_target, demand))
+            # Sent every step, even empty: the reply refreshes the index mirror, so chunks
+            # other engines stored become hits. Calls never pile up: the channel merges.
+            self._submit(self._take_request())
 
     @override
     def has_pending_work(self) -> bool:
@@ -359,6 +365,7 @@ class StrataManager(OffloadingManager):
             epoch=self._epoch,
             known_seq=self._seq,
             pin=self._to_pin,
+            touch=self._to_touch,
             unpin=self._out_unpin,
             commit=self._out_commit,
             release=self._out_release,
@@ -366,7 +373,8 @@ class StrataManager(OffloadingManager):
             purge=self._purge_requested,
         )
         self._reserve_outstanding += request.reserve
-        self._to_pin, self._out_unpin, self._out_commit, self._out_release = [], [], [], []
+        self._to_pin, self._to_touch = [], []
+        self._out_unpin, self._out_commit, self._out_release = [], [], []
         self._out_unpin.extend(self._unpin_next_step)
         self._unpin_next_step = []
         self._purge_requested = False
@@ -485,6 +493,7 @@ class StrataManager(OffloadingManager):
         self._storing.clear()
         self._pin_waiters.clear()
         self._to_pin.clear()
+        self._to_touch.clear()
         self._out_commit.clear()
         self._out_unpin.clear()
         self._out_release.clear()

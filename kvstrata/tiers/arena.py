@@ -192,6 +192,13 @@ class SlotPool:
             pinned[key] = slot
         return pinned
 
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark resident keys as recently used (reuse seen by an engine)."""
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is not None:
+                self.policy.touch(slot)
+
     def unpin(self, holder: str, slots: Iterable[int]) -> None:
         for slot in slots:
             holders = self._pins.get(slot)

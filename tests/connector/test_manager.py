@@ -1,0 +1,343 @@
+"""StrataManager driven only through vLLM's OffloadingManager calls, over an in-process
+node store. Mirrors the behaviours vLLM's own tests/v1/kv_offload/cpu/test_manager.py
+expects of any manager, plus what sharing a store between engines adds.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.config import load_config
+from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
+from kvstrata.connector.manager import StrataManager
+from tests.utils import FakeClock, key, layout, store_config
+
+SLOT = 4096
+HIT, MISS, RETRY, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT_PENDING
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+def make_store(tmp_path, clock, slots=16, reserve_slots=4, lease_seconds=30.0):
+    cfg = store_config(tmp_path, capacity=slots * SLOT, lease_seconds=lease_seconds, reserve_slots=reserve_slots)
+    return NodeStore(cfg, "node0", clock=clock), load_config(cfg)
+
+
+@pytest.fixture
+def store_and_config(tmp_path, clock):
+    store, cfg = make_store(tmp_path, clock)
+    yield store, cfg
+    store.close()
+
+
+managers: list[StrataManager] = []
+
+
+def make_manager(store, cfg, holder="engine-a", lay=None, client=None):
+    manager = StrataManager(client or LocalStoreClient(store), lay or layout(worker_bytes=SLOT), cfg, holder, enable_events=True)
+    managers.append(manager)
+    assert manager.wait_idle(10)
+    return manager
+
+
+@pytest.fixture(autouse=True)
+def _close_managers():
+    yield
+    while managers:
+        managers.pop().shutdown()
+
+
+def step(manager):
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    assert manager.wait_idle(10)
+
+
+def ctx(req_id="r1"):
+    return ReqContext(req_id=req_id)
+
+
+def store_keys(manager, keys, req="w"):
+    out = manager.prepare_store(keys, ctx(req))
+    assert out is not None
+    manager.complete_store(out.keys_to_store, ctx(req))
+    step(manager)
+    return out
+
+
+def test_unknown_key_is_a_miss_without_a_round_trip(store_and_config):
+    manager = make_manager(*store_and_config)
+    calls = manager._channel.calls
+    assert manager.lookup(key(1), ctx()) is MISS
+    assert manager._channel.calls == calls
+
+
+def test_pending_until_complete_store_then_hit(store_and_config):
+    manager = make_manager(*store_and_config)
+    out = manager.prepare_store([key(1), key(2)], ctx())
+    assert out.keys_to_store == [key(1), key(2)]
+    assert manager.lookup(key(1), ctx()) is PENDING
+    manager.complete_store([key(1), key(2)], ctx())
+    assert manager.lookup(key(1), ctx()) is HIT
+    assert manager.lookup(key(2), ctx()) is HIT
+
+
+def test_prepare_store_filters_keys_already_stored_or_in_flight(store_and_config):
+    manager = make_manager(*store_and_config)
+    store_keys(manager, [key(1)])
+    manager.prepare_store([key(2)], ctx())
+    out = manager.prepare_store([key(1), key(2), key(3)], ctx())
+    assert out.keys_to_store == [key(3)]
+    assert manager.prepare_store([key(1)], ctx()).keys_to_store == []
+
+
+def test_prepare_store_returns_none_when_nothing_can_be_stored(tmp_path, clock):
+    store, cfg = make_store(tmp_path, clock, slots=4, reserve_slots=4)
+    try:
+        hog = make_manager(store, cfg, holder="hog")  # reserves all four slots
+        manager = make_manager(store, cfg, holder="engine-b")
+        assert manager.prepare_store([key(1)], ctx()) is None
+        assert manager.counters()["stores_dropped_no_slot"] == 1
+        # The hog stores and keeps pinning: still nothing evictable for engine-b.
+        hog_out = hog.prepare_store([key(10 + i) for i in range(4)], ctx("h"))
+        hog.complete_store(hog_out.keys_to_store, ctx("h"))
+        for i in range(4):
+            assert hog.lookup(key(10 + i), ctx("reader")) is HIT
+        step(hog)
+        step(manager)
+        assert manager.prepare_store([key(1)], ctx()) is None
+    finally:
+        store.close()
+
+
+def test_partial_stock_stores_the_head_of_the_offer(tmp_path, clock):
+    store, cfg = make_store(tmp_path, clock, slots=16, reserve_slots=2)
+    try:
+        manager = make_manager(store, cfg)
+        out = manager.prepare_store([key(i) for i in range(5)], ctx())
+        assert out.keys_to_store == [key(0), key(1)]
+        assert manager.counters()["stores_dropped_no_slot"] == 3
+        step(manager)  # the stock grows to cover the demand it saw
+        assert len(manager.prepare_store([key(i) for i in range(2, 5)], ctx()).keys_to_store) == 3
+    finally:
+        store.close()
+
+
+def test_stored_chunks_are_never_evicted_for_the_current_offer(tmp_path, clock):
+    store, cfg = make_store(tmp_path, clock, slots=4, reserve_slots=1)
+    try:
+        manager = make_manager(store, cfg)
+        for i in range(3):
+            store_keys(manager, [key(i)])
+            step(manager)
+        # The arena is full: three chunks and one reserved slot.
+        out = manager.prepare_store([key(0), key(3)], ctx())
+        assert out.keys_to_store == [key(3)] and out.evicted_keys == []
+        manager.complete_store(out.keys_to_store, ctx())
+        step(manager)
+        assert store.arena.pools[manager.namespace].lookup(key(0)) is not None
+    finally:
+        store.close()
+
+
+def test_prepare_load_follows_key_order(store_and_config):
+    store, cfg = store_and_config
+    manager = make_manager(store, cfg)
+    keys = [key(i) for i in range(4)]
+    out = manager.prepare_store(keys, ctx())
+    pool = store.arena.pools[manager.namespace]
+    for i, slot in enumerate(out.store_spec.block_ids):
+        pool.view(int(slot))[:] = i
+    manager.complete_store(keys, ctx())
+    order = [keys[2], keys[0], keys[3]]
+    for k in order:
+        assert manager.lookup(k, ctx("reader")) is HIT
+    spec = manager.prepare_load(order, ctx("reader"))
+    assert [int(pool.view(int(s))[0]) for s in spec.block_ids] == [2, 0, 3]
+
+
+def test_failed_store_drops_the_chunks(store_and_config):
+    store, cfg = store_and_config
+    manager = make_manager(store, cfg)
+    out = manager.prepare_store([key(1)], ctx())
+    manager.complete_store(out.keys_to_store, ctx(), success=False)
+    assert manager.lookup(key(1), ctx()) is MISS
+    step(manager)
+    assert store.keys(manager.namespace) == []
+    assert manager.counters()["stores_failed"] == 1
+
+
+def test_another_engine_gets_retry_then_hit_with_the_same_bytes(store_and_config):
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    out = writer.prepare_store([key(1)], ctx())
+    pool = store.arena.pools[writer.namespace]
+    payload = np.arange(SLOT, dtype=np.uint64).astype(np.uint8)
+    pool.view(int(out.store_spec.block_ids[0]))[:] = payload
+    writer.complete_store([key(1)], ctx())
+    step(writer)
+
+    reader = make_manager(store, cfg, holder="reader")
+    assert reader.lookup(key(1), ctx()) is RETRY
+    assert reader.has_pending_work()
+    assert reader.lookup(key(2), ctx()) is MISS
+    step(reader)
+    assert reader.lookup(key(1), ctx()) is HIT
+    spec = reader.prepare_load([key(1)], ctx())
+    assert np.array_equal(pool.view(int(spec.block_ids[0])), payload)
+    reader.complete_load([key(1)], ctx())
+
+
+def test_pins_are_released_when_requests_are_done(store_and_config):
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])
+    step(writer)
+    pool = store.arena.pools[writer.namespace]
+    assert pool.stats()["pinned"] == 0
+
+    reader = make_manager(store, cfg, holder="reader")
+    reader.lookup(key(1), ctx("a"))
+    step(reader)
+    assert reader.lookup(key(1), ctx("a")) is HIT
+    reader.prepare_load([key(1)], ctx("a"))
+    step(reader)
+    assert pool.stats()["pinned"] == 1  # load in flight
+    reader.complete_load([key(1)], ctx("a"))
+    reader.on_request_finished(ctx("a"))
+    step(reader)
+    assert pool.stats()["pinned"] == 0
+
+
+def test_evicted_chunk_becomes_a_miss_and_an_event(tmp_path, clock):
+    store, cfg = make_store(tmp_path, clock, slots=2, reserve_slots=1)
+    try:
+        manager = make_manager(store, cfg)
+        store_keys(manager, [key(0, group=3)])
+        step(manager)
+        store_keys(manager, [key(1, group=3)])
+        step(manager)
+        store_keys(manager, [key(2, group=3)])  # evicts key(0) to refill the stock
+        step(manager)
+        assert manager.lookup(key(0, group=3), ctx()) is MISS
+        events = list(manager.take_events())
+        stored = [k for e in events if not e.removed for k in e.keys]
+        removed = [k for e in events if e.removed for k in e.keys]
+        assert key(0, group=3) in stored and key(0, group=3) in removed
+        assert all(k.endswith((3).to_bytes(4, "big")) for k in stored + removed)  # group kept
+    finally:
+        store.close()
+
+
+def test_engines_with_different_layouts_never_share_chunks(store_and_config):
+    store, cfg = store_and_config
+    a = make_manager(store, cfg, holder="a", lay=layout(model="model-a", worker_bytes=SLOT))
+    b = make_manager(store, cfg, holder="b", lay=layout(model="model-b", worker_bytes=SLOT))
+    assert a.namespace != b.namespace
+    store_keys(a, [key(1)])
+    step(b)
+    assert b.lookup(key(1), ctx()) is MISS
+    assert b.prepare_store([key(1)], ctx()).keys_to_store == [key(1)]
+
+
+def test_dead_engine_pins_expire_with_its_lease(tmp_path, clock):
+    store, cfg = make_store(tmp_path, clock, slots=2, reserve_slots=2, lease_seconds=10)
+    try:
+        dead = make_manager(store, cfg, holder="dead")
+        dead._channel.close()  # the engine died: no more renewals, no clean release
+        alive = make_manager(store, cfg, holder="alive")
+        assert alive.prepare_store([key(1)], ctx()) is None
+        clock.advance(11)
+        step(alive)  # alive renews; the store notices dead's lease ran out
+        step(alive)
+        assert alive.prepare_store([key(1)], ctx()) is not None
+    finally:
+        store.close()
+
+
+class FlakyClient(LocalStoreClient):
+    def __init__(self, store):
+        super().__init__(store)
+        self.down = False
+
+    def step(self, request):
+        if self.down:
+            raise ConnectionError("store unreachable")
+        return super().step(request)
+
+
+def test_store_failure_turns_retries_into_misses_and_recovers(store_and_config):
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])
+    client = FlakyClient(store)
+    reader = make_manager(store, cfg, holder="reader", client=client)
+    client.down = True
+    assert reader.lookup(key(1), ctx()) is RETRY
+    step(reader)
+    assert reader.lookup(key(1), ctx()) is MISS
+    assert reader.counters()["control_failures"] >= 1
+    client.down = False
+    store_keys(writer, [key(2)])
+    step(reader)
+    assert reader.lookup(key(2), ctx()) is RETRY
+    step(reader)
+    assert reader.lookup(key(2), ctx()) is HIT
+
+
+def test_store_restart_drops_old_state_and_serves_again(tmp_path, clock):
+    store, cfg = make_store(tmp_path, clock)
+    client = LocalStoreClient(store)
+    manager = make_manager(store, cfg, client=client)
+    store_keys(manager, [key(1)])
+    old_epoch = store.arena.epoch
+    store.close()
+    client.store, _ = make_store(tmp_path, clock)  # Ray restarted the actor: empty, new epoch
+    try:
+        step(manager)  # reply carries the new epoch; the manager re-registers
+        step(manager)
+        assert manager.lookup(key(1), ctx("new")) is MISS
+        assert client.store.arena.epoch != old_epoch
+        store_keys(manager, [key(2)])
+        assert client.store.keys(manager.namespace) == [key(2)]
+    finally:
+        client.store.close()
+
+
+def test_reset_cache_purges_the_namespace(store_and_config):
+    store, cfg = store_and_config
+    manager = make_manager(store, cfg)
+    store_keys(manager, [key(1), key(2)])
+    manager.reset_cache()
+    assert manager.lookup(key(1), ctx()) is MISS
+    step(manager)
+    assert store.keys(manager.namespace) == []
+    step(manager)
+    assert store.arena.pools[manager.namespace].stats()["pinned"] == 0
+
+
+def test_lock_is_a_real_lock_held_across_threads(store_and_config):
+    manager = make_manager(*store_and_config)
+    acquired = []
+    with manager.lock:
+        t = threading.Thread(target=lambda: acquired.append(manager.lock.acquire(timeout=0.05)))
+        t.start()
+        t.join(5)
+    assert acquired == [False]
+
+
+def test_stats_report_declared_metrics(store_and_config):
+    from kvstrata.connector.spec import StrataSpec
+
+    manager = make_manager(*store_and_config)
+    store_keys(manager, [key(1)])
+    declared = StrataSpec.build_metric_definitions({})
+    reduced = manager.get_stats().reduce()
+    assert reduced["kvstrata:chunks_stored"] == 1
+    assert set(reduced) <= set(declared)

@@ -1,0 +1,69 @@
+"""The YAML schema: sizes, strictness, and errors that name file, key and reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstrata.config import ConfigError, KvstrataConfig, load_config, parse_size
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("64GiB", 64 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GiB", int(1.5 * 1024**3)), ("2GB", 2 * 10**9), ("4096", 4096), (1234, 1234)],
+)
+def test_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_shipped_local_config_is_the_builtin_default():
+    assert load_config(REPO / "configs" / "local.yaml") == KvstrataConfig() == load_config(None)
+
+
+def test_inline_mapping():
+    cfg = load_config({"tiers": {"cpu": {"capacity": "2GiB"}}, "namespace_prefix": "tenant-a"})
+    assert cfg.tiers.cpu.capacity == 2 * 1024**3
+    assert cfg.namespace_prefix == "tenant-a"
+
+
+def test_unknown_key_names_file_and_key_path(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("tiers:\n  cpu:\n    capacty: 1GiB\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value)
+    assert "tiers.cpu.capacty: unknown key" in str(err.value)
+
+
+def test_negative_size_is_rejected_with_reason(tmp_path):
+    path = tmp_path / "neg.yaml"
+    path.write_text("tiers:\n  cpu:\n    capacity: -4GiB\n")
+    with pytest.raises(ConfigError, match=r"tiers\.cpu\.capacity: Input should be greater than 0"):
+        load_config(path)
+
+
+def test_unparseable_size():
+    with pytest.raises(ConfigError, match=r"tiers\.cpu\.capacity: Value error, expected a size such as '4GiB'.*'lots'"):
+        load_config({"tiers": {"cpu": {"capacity": "lots"}}})
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("tiers:\n  cpu: [capacity: 1GiB\n")
+    with pytest.raises(ConfigError, match=rf"{path}: malformed YAML at line \d+, column \d+"):
+        load_config(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the kvstrata config"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping at the top level"):
+        load_config(path)

@@ -1,0 +1,200 @@
+"""The node arena alone: bytes, eviction, pins, leases, sharing across processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvstrata.tiers.arena import Arena, SlotError
+from tests.utils import FakeClock, key
+
+SLOT = 8192
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def arena(tmp_path, clock):
+    arena = Arena(str(tmp_path), "node0", capacity=4 * SLOT, segment_size=2 * SLOT, lease_seconds=10, prefault=False, clock=clock)
+    yield arena
+    arena.close()
+
+
+def fill(pool, holder, keys, seed=0):
+    """Reserve, write random bytes and commit each key; returns the bytes written."""
+    written = {}
+    rng = np.random.default_rng(seed)
+    slots = pool.reserve(holder, len(keys))
+    assert len(slots) == len(keys)
+    for k, slot in zip(keys, slots):
+        data = rng.integers(0, 256, SLOT, dtype=np.uint8)
+        pool.view(slot)[:] = data
+        assert pool.commit(holder, slot, k)
+        written[k] = data
+    return written
+
+
+def test_bytes_round_trip_exactly(arena):
+    pool = arena.pool("ns", SLOT)
+    written = fill(pool, "a", [key(i) for i in range(4)])
+    pinned = pool.pin("b", written)
+    for k, data in written.items():
+        assert np.array_equal(pool.view(pinned[k]), data)
+
+
+def test_segments_are_private_files_and_grow_within_budget(arena, tmp_path):
+    pool = arena.pool("ns", SLOT)
+    fill(pool, "a", [key(i) for i in range(4)])
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 2
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    assert arena.allocated_bytes == 4 * SLOT
+    assert pool.reserve("a", 1) == []  # budget spent; everything is pinned by the writer
+
+
+def test_eviction_never_touches_pinned_or_reserved_slots(arena):
+    pool = arena.pool("ns", SLOT)
+    keys = [key(i) for i in range(4)]
+    written = fill(pool, "writer", keys)
+    pool.drop_holder("writer")  # writer's pins released: all four are evictable
+    pool.pin("reader", keys[:2])
+    granted = pool.reserve("other", 4)
+    assert len(granted) == 2  # only the two unpinned chunks could be evicted
+    for k in keys[:2]:
+        assert np.array_equal(pool.view(pool.lookup(k)), written[k])
+    assert pool.lookup(keys[2]) is None and pool.lookup(keys[3]) is None
+    # Reserved slots are not evictable either: nothing is left to grant.
+    assert pool.reserve("third", 1) == []
+
+
+def test_lru_evicts_the_least_recently_pinned(arena):
+    pool = arena.pool("ns", SLOT)
+    keys = [key(i) for i in range(4)]
+    fill(pool, "w", keys)
+    pool.drop_holder("w")
+    pool.pin("r", [keys[0]])
+    pool.drop_holder("r")  # keys[0] is now the most recently used
+    pool.reserve("x", 1)
+    assert pool.lookup(keys[1]) is None
+    assert pool.lookup(keys[0]) is not None
+
+
+def test_leases_expire_and_release_everything(arena, clock):
+    pool = arena.pool("ns", SLOT)
+    arena.renew("dead")
+    keys = [key(i) for i in range(2)]
+    fill(pool, "dead", keys)
+    pool.reserve("dead", 2)
+    arena.renew("alive")
+    assert pool.reserve("alive", 1) == []
+    clock.advance(5)
+    arena.renew("alive")
+    assert arena.expire() == []
+    clock.advance(6)
+    arena.renew("alive")
+    assert arena.expire() == ["dead"]
+    # The dead engine's reserved slots are free and its chunks evictable again.
+    assert len(pool.reserve("alive", 4)) == 4
+
+
+def test_commit_requires_own_reservation(arena):
+    pool = arena.pool("ns", SLOT)
+    (slot,) = pool.reserve("a", 1)
+    with pytest.raises(SlotError, match=f"slot {slot} of namespace ns is not reserved by b"):
+        pool.commit("b", slot, key(1))
+    assert pool.commit("a", slot, key(1))
+
+
+def test_duplicate_commit_keeps_first_copy_and_frees_second_on_unpin(arena):
+    pool = arena.pool("ns", SLOT)
+    first, second = pool.reserve("a", 1)[0], pool.reserve("b", 1)[0]
+    assert pool.commit("a", first, key(1))
+    assert not pool.commit("b", second, key(1))
+    assert pool.lookup(key(1)) == first
+    assert pool.stats()["orphans"] == 1
+    pool.unpin("b", [second])
+    assert pool.stats()["orphans"] == 0
+    assert second in pool.reserve("c", 4)
+
+
+def test_change_log_reports_adds_and_removals(arena):
+    pool = arena.pool("ns", SLOT)
+    start = pool.seq
+    fill(pool, "w", [key(0), key(1)])
+    pool.drop_holder("w")
+    middle = pool.seq
+    pool.purge()
+    changes = pool.changes_since(start)
+    assert changes.added == [] and set(changes.removed) == {key(0), key(1)}
+    assert set(pool.changes_since(middle).removed) == {key(0), key(1)}
+    assert pool.changes_since(pool.seq).added == []
+    assert pool.changes_since(pool.seq + 5) is None  # a seq from another store epoch
+
+
+def test_namespaces_are_separate_pools(arena):
+    a = arena.pool("model-a", SLOT)
+    b = arena.pool("model-b", SLOT)
+    fill(a, "w", [key(1)])
+    assert b.lookup(key(1)) is None
+    with pytest.raises(ValueError, match="slot size"):
+        arena.pool("model-a", 2 * SLOT)
+
+
+def test_second_process_sees_the_bytes_and_does_not_delete_the_file(arena):
+    pool = arena.pool("ns", SLOT)
+    written = fill(pool, "w", [key(0)])
+    slot = pool.lookup(key(0))
+    segment, offset = pool.geometry.locate(slot)
+    path = pool.geometry.segment_path(segment)
+    code = (
+        "import sys, hashlib\n"
+        "from kvstrata.tiers.shm import SharedMemoryFile\n"
+        "m = SharedMemoryFile.attach(sys.argv[1])\n"
+        "off = int(sys.argv[2])\n"
+        "print(hashlib.sha256(m.array[off:off+int(sys.argv[3])].tobytes()).hexdigest())\n"
+        "m.array[off] = 7\n"
+        "m.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, path, str(offset), str(SLOT)], capture_output=True, text=True, timeout=60, check=True
+    )
+    import hashlib
+
+    assert out.stdout.strip() == hashlib.sha256(written[key(0)].tobytes()).hexdigest()
+    assert os.path.exists(path)
+    assert pool.view(slot)[0] == 7
+
+
+def test_previous_epoch_segments_are_removed_after_a_lease(tmp_path, clock):
+    old = Arena(str(tmp_path), "node0", capacity=SLOT, segment_size=SLOT, lease_seconds=10, prefault=False, clock=clock)
+    old.pool("ns", SLOT).reserve("a", 1)
+    stale = list(tmp_path.iterdir())
+    # A restarted store: the old process died without cleaning up.
+    new = Arena(str(tmp_path), "node0", capacity=SLOT, segment_size=SLOT, lease_seconds=10, prefault=False, clock=clock)
+    try:
+        new.expire()
+        assert all(p.exists() for p in stale)  # in-flight loads may still read them
+        clock.advance(11)
+        new.expire()
+        assert not any(p.exists() for p in stale)
+    finally:
+        new.close()
+        old.close()
+
+
+def test_invalid_arena_settings_are_named(tmp_path):
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        Arena(str(tmp_path), "n", capacity=0, segment_size=1, lease_seconds=1)
+    with pytest.raises(ValueError, match="eviction_policy"):
+        Arena(str(tmp_path), "n", capacity=1, segment_size=1, lease_seconds=1, eviction_policy="fifo")
+    with pytest.raises(ValueError, match="not a directory"):
+        Arena(str(tmp_path / "missing"), "n", capacity=1, segment_size=1, lease_seconds=1)

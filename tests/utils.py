@@ -1,0 +1,49 @@
+"""Shared test helpers: a controllable clock, layouts, and in-process stores."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvstrata.keys import Layout, make_key
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def key(i: int, group: int = 0) -> bytes:
+    return make_key(hashlib.sha256(str(i).encode()).digest(), group)
+
+
+def layout(model: str = "tiny", worker_bytes: int = 4096, world_size: int = 1, prefix: str = "") -> Layout:
+    return Layout(
+        model=model,
+        dtype="float32",
+        kv_cache_layout="",
+        tokens_per_block=(32,),
+        group_ids=(0,),
+        tokens_per_hash=32,
+        blocks_per_chunk=1,
+        worker_kv_bytes_per_block=worker_bytes,
+        world_size=world_size,
+        tp_size=world_size,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        hash_algo="sha256",
+        namespace_prefix=prefix,
+    )
+
+
+def store_config(shm_dir, capacity: int, segment_size: int | None = None, lease_seconds: float = 30.0, reserve_slots: int = 4):
+    return {
+        "tiers": {"cpu": {"capacity": capacity, "segment_size": segment_size or max(1, capacity // 4), "shm_dir": str(shm_dir), "prefault": False}},
+        "engine": {"lease_seconds": lease_seconds, "reserve_slots": reserve_slots, "control_timeout_seconds": 5},
+    }
