@@ -54,3 +54,72 @@ def build_tiny_llama(directory: str | Path, seed: int = 0, hidden_size: int = 12
     model.save_pretrained(directory, safe_serialization=True)
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return directory
+
+
+def kvstrata_transfer_config(config: str | Path | dict, block_size: int | None = None):
+    """vLLM's KVTransferConfig selecting kvstrata with a YAML path or an inline mapping."""
+    from vllm.config import KVTransferConfig
+
+    extra: dict[str, object] = {
+        "spec_name": "StrataSpec",
+        "spec_module_path": "kvstrata.connector",
+        "config": str(config) if isinstance(config, Path) else config,
+    }
+    if block_size is not None:
+        extra["block_size"] = block_size
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+
+
+def make_llm(model_dir: str | Path, config: str | Path | dict, **engine_kwargs):
+    """A CPU-friendly vLLM engine over the tiny model with kvstrata attached."""
+    from vllm import LLM
+
+    kwargs = dict(
+        model=str(model_dir),
+        block_size=32,
+        max_model_len=1024,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=kvstrata_transfer_config(config),
+    )
+    kwargs.update(engine_kwargs)
+    return LLM(**kwargs)
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an engine's core (and with it its kvstrata manager) now, not at garbage collection."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def run_round(llm, prompts: list[str], max_tokens: int = 16) -> list[dict[str, object]]:
+    """Generate each prompt alone after a GPU prefix-cache reset.
+
+    With the engine's own prefix cache empty, every cached prompt token was loaded
+    from kvstrata, so `cached_tokens` is exactly what kvstrata served.
+    """
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
+    results = []
+    for prompt in prompts:
+        llm.reset_prefix_cache()
+        output = llm.generate([prompt], params, use_tqdm=False)[0]
+        completion = output.outputs[0]
+        results.append(
+            {
+                "prompt_tokens": len(output.prompt_token_ids),
+                "cached_tokens": output.num_cached_tokens or 0,
+                "token_ids": list(completion.token_ids),
+                "logprobs": [
+                    {token: entry.logprob for token, entry in step.items()} for step in (completion.logprobs or [])
+                ],
+                "text": completion.text,
+            }
+        )
+    return results
+
+
+def shared_prefix_prompts(count: int = 3, repeat: int = 6) -> list[str]:
+    prefix = "kvstrata keeps the KV cache of a long shared system prompt. " * repeat
+    return [f"{prefix}Question {i}: what comes next?" for i in range(count)]

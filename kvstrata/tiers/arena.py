@@ -380,14 +380,17 @@ class Arena:
             dropped = sum(pool.drop_holder(holder) for pool in self.pools.values())
             logger.warning("kvstrata arena: lease of %s expired; released %d slots", holder, dropped)
         if self._stale and self._clock() >= self._stale_deadline:
-            for path in self._stale:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-            logger.info("kvstrata arena: removed %d segments of a previous store", len(self._stale))
-            self._stale = []
+            self._remove_stale()
         return expired
+
+    def _remove_stale(self) -> None:
+        for path in self._stale:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        logger.info("kvstrata arena: removed %d segments of a previous store", len(self._stale))
+        self._stale = []
 
     def release_holder(self, holder: str) -> None:
         """An engine that shuts down cleanly gives everything back at once."""
@@ -405,6 +408,9 @@ class Arena:
         }
 
     def close(self) -> None:
+        """Unlink every segment, the previous store's leftovers included."""
+        if self._stale:
+            self._remove_stale()
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()

@@ -1,0 +1,135 @@
+"""The node store as a Ray actor: one per node, named, detached, restarted by Ray, and
+reachable from a manager through the batched control call. One Ray cluster per module.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from kvstrata.actors.client import (
+    RayStoreClient,
+    StoreUnavailable,
+    current_node_id,
+    ensure_node_store,
+    get_node_store,
+    shutdown_node_store,
+)
+from kvstrata.actors.options import STORE_NAMESPACE, store_actor_name
+from kvstrata.config import load_config
+from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
+from kvstrata.connector.manager import StrataManager
+from tests.utils import key, layout, store_config
+
+SLOT = 4096
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="kvstrata-tests", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def store(cluster, tmp_path):
+    cfg = load_config(store_config(tmp_path, capacity=64 * SLOT))
+    handle = ensure_node_store(cfg)
+    try:
+        yield handle, cfg
+    finally:
+        shutdown_node_store(handle)
+
+
+def wait_for(predicate, timeout_s=60.0, interval_s=0.2):
+    """Poll a condition with a deadline (Ray restarts have no event to wait on)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:  # noqa: BLE001 - the actor may be restarting
+            pass
+        time.sleep(interval_s)
+    raise AssertionError("condition not met in time")
+
+
+def test_one_named_detached_store_per_node(store):
+    handle, cfg = store
+    node_id = current_node_id()
+    found = ray.get_actor(store_actor_name(node_id), namespace=STORE_NAMESPACE)
+    assert ray.get(found.ping.remote()) == ray.get(handle.ping.remote())
+    again = ensure_node_store(cfg)  # get_if_exists: the same actor, not a second store
+    assert ray.get(again.ping.remote()) == ray.get(handle.ping.remote())
+    assert ray.get(get_node_store().ping.remote()) == ray.get(handle.ping.remote())
+
+
+def test_store_is_detached_from_the_process_that_created_it(store):
+    handle, cfg = store
+    epoch = ray.get(handle.ping.remote())
+    created = ensure_node_store(cfg)
+    del created  # a non-detached actor would die with its creator's last reference
+    import gc
+
+    gc.collect()
+    assert ray.get(get_node_store().ping.remote()) == epoch
+
+
+def test_missing_store_is_a_clear_error(cluster):
+    with pytest.raises(StoreUnavailable, match="no kvstrata node store on node nonexistent"):
+        get_node_store("nonexistent")
+
+
+def step(manager):
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    assert manager.wait_idle(30)
+
+
+def test_two_engines_share_chunks_through_the_actor(store):
+    handle, cfg = store
+    lay = layout(worker_bytes=SLOT)
+    writer = StrataManager(RayStoreClient(handle, 30), lay, cfg, "writer")
+    reader = StrataManager(RayStoreClient(handle, 30), lay, cfg, "reader")
+    try:
+        assert writer.wait_idle(30)
+        out = writer.prepare_store([key(1), key(2)], ReqContext(req_id="w"))
+        writer.complete_store(out.keys_to_store, ReqContext(req_id="w"))
+        step(writer)
+        step(reader)
+        assert reader.lookup(key(1), ReqContext(req_id="r")) is LookupResult.RETRY
+        step(reader)
+        assert reader.lookup(key(1), ReqContext(req_id="r")) is LookupResult.HIT
+        assert reader.lookup(key(3), ReqContext(req_id="r")) is LookupResult.MISS
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+
+
+def test_ray_restarts_a_dead_store_and_engines_recover(store):
+    handle, cfg = store
+    lay = layout(worker_bytes=SLOT)
+    manager = StrataManager(RayStoreClient(handle, 30), lay, cfg, "engine")
+    try:
+        assert manager.wait_idle(30)
+        out = manager.prepare_store([key(1)], ReqContext(req_id="w"))
+        manager.complete_store(out.keys_to_store, ReqContext(req_id="w"))
+        step(manager)
+        old_epoch = ray.get(handle.ping.remote())
+        ray.kill(handle, no_restart=False)
+        wait_for(lambda: ray.get(handle.ping.remote(), timeout=5) != old_epoch)
+        # The engine keeps serving: first misses (the chunks died with the store) ...
+        for _ in range(3):
+            step(manager)
+        assert manager.lookup(key(1), ReqContext(req_id="r")) is LookupResult.MISS
+        # ... then stores and hits again against the new store.
+        out = manager.prepare_store([key(2)], ReqContext(req_id="w2"))
+        assert out is not None and out.keys_to_store == [key(2)]
+        manager.complete_store(out.keys_to_store, ReqContext(req_id="w2"))
+        step(manager)
+        assert ray.get(handle.keys.remote(lay.namespace)) == [key(2)]
+    finally:
+        manager.shutdown()
