@@ -1,0 +1,142 @@
+"""End to end on the CPU build of vLLM with a tiny random Llama built at test time.
+
+One Ray cluster for the module; engines run with vLLM's default multiprocessing, so
+the scheduler and the worker are separate processes that join the cluster and map
+the arena like they would in production.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import ray
+
+from kvstrata.actors.client import get_node_store, shutdown_node_store
+from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="kvstrata-e2e", log_to_driver=False)
+    try:
+        yield
+    finally:
+        try:
+            shutdown_node_store(get_node_store())
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"a": build_tiny_llama(root / "model-a", seed=1), "b": build_tiny_llama(root / "model-b", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "kvstrata.yaml"
+    path.write_text("tiers:\n  cpu:\n    capacity: 64MiB\n    segment_size: 16MiB\nengine:\n  lease_seconds: 20\n")
+    return path
+
+
+def expected_hit(result) -> int:
+    """Whole blocks before the last prompt token (which vLLM always recomputes)."""
+    return (result["prompt_tokens"] - 1) // BLOCK * BLOCK
+
+
+def namespaces():
+    return list(ray.get(get_node_store().stats.remote())["pools"])
+
+
+def corrupt_namespace(namespace: str) -> int:
+    """Overwrite every resident chunk of a namespace with noise, through the arena file."""
+    from kvstrata.tiers.shm import SharedMemoryFile
+
+    store = get_node_store()
+    rng = np.random.default_rng(0)
+    count = 0
+    for key in ray.get(store.keys.remote(namespace)):
+        path, offset, length = ray.get(store.locate.remote(namespace, key))
+        segment = SharedMemoryFile.attach(path)
+        segment.array[offset : offset + length] = rng.integers(0, 256, length, dtype=np.uint8)
+        segment.close()
+        count += 1
+    return count
+
+
+@pytest.fixture(scope="module")
+def first_engine_rounds(cluster, models, config_path):
+    """Rounds 1 and 2 on engine A, which is then shut down for good."""
+    prompts = shared_prefix_prompts()
+    llm = make_llm(models["a"], config_path)
+    try:
+        round1 = run_round(llm, prompts)
+        round2 = run_round(llm, prompts)
+    finally:
+        shutdown_llm(llm)
+        del llm
+        gc.collect()
+    return prompts, round1, round2
+
+
+def test_round_two_is_served_by_kvstrata_with_identical_tokens_and_logprobs(first_engine_rounds):
+    _, round1, round2 = first_engine_rounds
+    # Round 1: the first prompt computes everything; the others already find the
+    # shared prefix in kvstrata although the engine's own prefix cache was reset.
+    assert round1[0]["cached_tokens"] == 0
+    assert all(r["cached_tokens"] > 0 for r in round1[1:])
+    for first, second in zip(round1, round2):
+        assert second["cached_tokens"] == expected_hit(second)
+        assert second["token_ids"] == first["token_ids"]
+        assert second["logprobs"] == first["logprobs"]
+
+
+def test_a_new_engine_hits_after_the_first_is_gone_and_corrupt_bytes_change_output(
+    first_engine_rounds, models, config_path
+):
+    prompts, round1, _ = first_engine_rounds
+    llm = make_llm(models["a"], config_path)
+    try:
+        round3 = run_round(llm, prompts)
+        for first, third in zip(round1, round3):
+            assert third["cached_tokens"] == expected_hit(third)
+            assert third["token_ids"] == first["token_ids"]
+            assert third["logprobs"] == first["logprobs"]
+
+        # Control: the same loads from corrupted arena bytes must change the output,
+        # which proves the output above really came from the bytes kvstrata stored.
+        (namespace,) = namespaces()
+        assert corrupt_namespace(namespace) > 0
+        corrupted = run_round(llm, prompts[:1])
+        assert corrupted[0]["cached_tokens"] == expected_hit(corrupted[0])
+        assert corrupted[0]["logprobs"] != round1[0]["logprobs"]
+        ray.get(get_node_store().purge.remote(namespace))
+    finally:
+        shutdown_llm(llm)
+        del llm
+        gc.collect()
+
+
+def test_engines_of_different_models_never_see_each_others_chunks(first_engine_rounds, models, config_path):
+    prompts, _, _ = first_engine_rounds
+    before = set(namespaces())
+    llm = make_llm(models["b"], config_path)
+    try:
+        results = run_round(llm, prompts[:1])
+        assert results[0]["cached_tokens"] == 0  # same prompt, same hashes, other model
+        # And it stored its own chunks under its own namespace.
+        assert len(set(namespaces()) - before) == 1
+        again = run_round(llm, prompts[:1])
+        assert again[0]["cached_tokens"] == expected_hit(again[0])
+        assert again[0]["token_ids"] == results[0]["token_ids"]
+    finally:
+        shutdown_llm(llm)
+        del llm
+        gc.collect()
