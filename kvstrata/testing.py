@@ -17,7 +17,7 @@ VOCAB = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + string.digits + s
 def build_tiny_llama(directory: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 2) -> Path:
     """Write a random-weight Llama (head_dim 32) and its tokenizer to `directory`."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     directory = Path(directory)
@@ -28,6 +28,7 @@ def build_tiny_llama(directory: str | Path, seed: int = 0, hidden_size: int = 12
     vocab = {token: index for index, token in enumerate(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(directory)
 

@@ -133,3 +133,23 @@ def test_ray_restarts_a_dead_store_and_engines_recover(store):
         assert ray.get(handle.keys.remote(lay.namespace)) == [key(2)]
     finally:
         manager.shutdown()
+
+
+def test_cli_status_purge_and_down(store, capsys):
+    from kvstrata.cli import main
+
+    handle, cfg = store
+    assert main(["status"]) == 0
+    status = capsys.readouterr().out
+    assert '"epoch"' in status and '"capacity"' in status
+    assert main(["purge"]) == 0
+    assert "purged 0 chunks" in capsys.readouterr().out
+
+
+def test_cli_rejects_a_bad_config_with_its_name(cluster, tmp_path, capsys):
+    from kvstrata.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers:\n  disk: {}\n")
+    assert main(["up", "--config", str(bad)]) == 2
+    assert f"{bad}: tiers.disk: unknown key" in capsys.readouterr().err
