@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ class ArenaMap:
         tensor = self._tensors.get(path)
         if tensor is None:
             mapped = SharedMemoryFile.attach(path)
-            tensor = torch.from_numpy(mapped.array)
+            tensor = torch.from_numpy(mapped.array.view(np.int8))
             if self.pin_for_cuda:
                 _host_register(tensor)
             self._segments[path] = mapped
@@ -112,13 +113,14 @@ def _host_unregister(tensor: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
-@dataclass
-class _Copy:
-    tensor_idx: int
-    block_id: int
-    segment: int
-    offset: int
-    num_bytes: int
+class CopyPlan(NamedTuple):
+    """One row per page copy: tensor, block, arena segment, byte offset, length."""
+
+    tensor_idx: np.ndarray
+    block_id: np.ndarray
+    segment: np.ndarray
+    offset: np.ndarray
+    num_bytes: np.ndarray
 
 
 class CopyEngine:
@@ -156,8 +158,8 @@ class CopyEngine:
         group_sizes: Sequence[int],
         block_indices: Sequence[int],
         slots: np.ndarray,
-    ) -> list[_Copy]:
-        """Every page copy of one transfer, in order.
+    ) -> CopyPlan:
+        """Every page copy of one transfer, as parallel arrays (cheap to build and walk).
 
         Blocks come ordered by group; group g's first block sits `block_indices[g] %
         blocks_per_chunk` sub-blocks into its first chunk (a transfer may start in the
@@ -165,31 +167,36 @@ class CopyEngine:
         """
         if len(group_sizes) != len(self.group_refs):
             raise ValueError(f"transfer names {len(group_sizes)} KV groups, this worker has {len(self.group_refs)}")
-        copies: list[_Copy] = []
+        block_ids = np.asarray(block_ids, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        bpc = self.blocks_per_chunk
+        parts: list[tuple[np.ndarray, ...]] = []
         block_pos = 0
         slot_pos = 0
-        bpc = self.blocks_per_chunk
         for group, (count, first_index) in enumerate(zip(group_sizes, block_indices)):
             if count == 0:
                 continue
             skip = first_index % bpc
-            group_slots = slots[slot_pos : slot_pos + -(-(count + skip) // bpc)]
-            for i in range(count):
-                block_id = int(block_ids[block_pos + i])
-                slot = int(group_slots[(skip + i) // bpc])
-                sub = (skip + i) % bpc
-                segment, slot_offset = geometry.locate(slot)
-                for ref in self.group_refs[group]:
-                    copies.append(
-                        _Copy(ref.tensor_idx, block_id, segment, slot_offset + self.layout.offset(ref.tensor_idx, sub), ref.ref_bytes)
-                    )
+            num_slots = -(-(count + skip) // bpc)
+            logical = np.arange(skip, skip + count, dtype=np.int64)
+            group_slots = slots[slot_pos : slot_pos + num_slots][logical // bpc]
+            sub = logical % bpc
+            segment, index = np.divmod(group_slots, geometry.slots_per_segment)
+            slot_base = index * geometry.slot_bytes
+            blocks = block_ids[block_pos : block_pos + count]
+            for ref in self.group_refs[group]:
+                offsets = slot_base + self.layout.tensor_offset[ref.tensor_idx] + sub * self.layout.page_bytes[ref.tensor_idx]
+                parts.append((np.full(count, ref.tensor_idx), blocks, segment, offsets, np.full(count, ref.ref_bytes)))
             block_pos += count
-            slot_pos += len(group_slots)
+            slot_pos += num_slots
         if block_pos != len(block_ids) or slot_pos != len(slots):
             raise ValueError(
                 f"transfer shape mismatch: used {block_pos}/{len(block_ids)} blocks and {slot_pos}/{len(slots)} slots"
             )
-        return copies
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return CopyPlan(empty, empty, empty, empty, empty)
+        return CopyPlan(*(np.concatenate(column).astype(np.int64) for column in zip(*parts)))
 
     # --- transfers ---------------------------------------------------------------
 
@@ -201,23 +208,25 @@ class CopyEngine:
         """Arena -> KV cache."""
         self._run(job_id, "load", self.plan(geometry, block_ids, group_sizes, block_indices, slots), geometry)
 
-    def _run(self, job_id: int, direction: str, copies: list[_Copy], geometry: PoolGeometry) -> None:
-        num_bytes = sum(c.num_bytes for c in copies)
+    def _run(self, job_id: int, direction: str, plan: CopyPlan, geometry: PoolGeometry) -> None:
+        num_bytes = int(plan.num_bytes.sum())
+        segments = {int(seg): self.arena.tensor(geometry, int(seg)) for seg in np.unique(plan.segment)}
+        rows = zip(plan.tensor_idx.tolist(), plan.block_id.tolist(), plan.segment.tolist(), plan.offset.tolist(), plan.num_bytes.tolist())
         if self.is_cuda:
-            self._run_cuda(job_id, direction, copies, geometry, num_bytes)
+            self._run_cuda(job_id, direction, rows, segments, num_bytes)
             return
         start = time.perf_counter()
-        to_arena = direction == "store"
-        for c in copies:
-            segment = self.arena.tensor(geometry, c.segment).numpy()
-            page = self._numpy_tensors[c.tensor_idx][c.block_id]
-            if to_arena:
-                segment[c.offset : c.offset + c.num_bytes] = page[: c.num_bytes].view(np.uint8)
-            else:
-                page[: c.num_bytes] = segment[c.offset : c.offset + c.num_bytes].view(np.int8)
+        arrays = {seg: tensor.numpy() for seg, tensor in segments.items()}
+        pages = self._numpy_tensors
+        if direction == "store":
+            for t, block, seg, off, n in rows:
+                arrays[seg][off : off + n] = pages[t][block, :n]
+        else:
+            for t, block, seg, off, n in rows:
+                pages[t][block, :n] = arrays[seg][off : off + n]
         self._completed.append(Completed(job_id, True, num_bytes, time.perf_counter() - start))
 
-    def _run_cuda(self, job_id: int, direction: str, copies: list[_Copy], geometry: PoolGeometry, num_bytes: int) -> None:
+    def _run_cuda(self, job_id: int, direction: str, rows, segments: dict[int, torch.Tensor], num_bytes: int) -> None:
         stream = self._streams[direction]
         # Stores read KV the forward pass just wrote; loads must not overtake writes
         # (zeroing) still queued for their destination blocks.
@@ -227,13 +236,13 @@ class CopyEngine:
         to_arena = direction == "store"
         with torch.cuda.stream(stream):
             start.record(stream)
-            for c in copies:
-                host = self.arena.tensor(geometry, c.segment)[c.offset : c.offset + c.num_bytes]
-                page = self.tensors[c.tensor_idx][c.block_id, : c.num_bytes]
+            for t, block, seg, off, n in rows:
+                host = segments[seg][off : off + n]
+                page = self.tensors[t][block, :n]
                 if to_arena:
-                    host.copy_(page.view(torch.uint8), non_blocking=True)
+                    host.copy_(page, non_blocking=True)
                 else:
-                    page.copy_(host.view(torch.int8), non_blocking=True)
+                    page.copy_(host, non_blocking=True)
             end.record(stream)
         self._pending[job_id] = (start, end, num_bytes)
 

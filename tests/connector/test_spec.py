@@ -1,0 +1,80 @@
+"""StrataSpec as vLLM builds it: cheap to import, the layout namespace, config errors at start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvstrata.config import ConfigError
+from kvstrata.connector.compat import OffloadingConfig
+from kvstrata.connector.spec import StrataSpec, build_layout
+
+
+def offloading_config(extra: dict, model: str = "tiny", dtype: str = "float32", world_size: int = 1) -> OffloadingConfig:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=16384,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id="engine-test",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def test_importing_the_connector_starts_no_ray():
+    code = "import sys, kvstrata.connector; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_spec_builds_without_touching_ray_or_the_store():
+    spec = StrataSpec(offloading_config({"config": {"tiers": {"cpu": {"capacity": "8MiB"}}}}))
+    assert spec.kvstrata_config.tiers.cpu.capacity == 8 * 1024**2
+    assert spec.layout.slot_bytes == 16384 * 2
+    assert spec._manager is None
+
+
+def test_bad_config_fails_at_engine_start_naming_the_file(tmp_path):
+    path = tmp_path / "kvstrata.yaml"
+    path.write_text("tiers:\n  cpu:\n    capacity: -1\n")
+    with pytest.raises(ConfigError, match=rf"{path}: tiers\.cpu\.capacity"):
+        StrataSpec(offloading_config({"config": str(path)}))
+
+
+def test_layout_namespace_separates_what_makes_bytes_incompatible():
+    base = build_layout(offloading_config({}), StrataSpec(offloading_config({})).kvstrata_config)
+    same = build_layout(offloading_config({}), StrataSpec(offloading_config({})).kvstrata_config)
+    assert base.namespace == same.namespace
+    other_model = build_layout(offloading_config({}, model="other"), StrataSpec(offloading_config({})).kvstrata_config)
+    other_dtype = build_layout(offloading_config({}, dtype="bfloat16"), StrataSpec(offloading_config({})).kvstrata_config)
+    tp2 = build_layout(offloading_config({}, world_size=2), StrataSpec(offloading_config({})).kvstrata_config)
+    tenant = StrataSpec(offloading_config({"config": {"namespace_prefix": "tenant-a"}}))
+    assert len({base.namespace, other_model.namespace, other_dtype.namespace, tp2.namespace, tenant.layout.namespace}) == 5
+    assert tp2.slot_bytes == 2 * base.slot_bytes
+
+
+def test_metric_definitions_cover_counters_and_gauges():
+    names = set(StrataSpec.build_metric_definitions({}))
+    assert {"kvstrata:chunks_loaded", "kvstrata:chunks_stored", "kvstrata:reserved_slots"} <= names
