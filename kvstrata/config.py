@@ -92,6 +92,11 @@ class EngineConfig(_Strict):
     reserve_slots: int = Field(
         default=32, ge=1, description="free slots kept reserved so prepare_store never waits"
     )
+    refresh_seconds: float = Field(
+        default=0.05,
+        ge=0,
+        description="an engine with nothing to send still refreshes its view of the store this often",
+    )
     control_timeout_seconds: float = Field(
         default=10.0, gt=0, description="bound on one control call to the node store"
     )

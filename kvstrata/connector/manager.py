@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -121,6 +122,9 @@ class StrataManager(OffloadingManager):
         self._store_demand = 0
         self._store_dropped = 0
         self._inbox: deque[tuple[str, Any, Any]] = deque()
+        self._pass_open = False
+        self._refresh_s = config.engine.refresh_seconds
+        self._last_submit = 0.0
 
         registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe())
         self._thread_epoch = registration.epoch
@@ -160,6 +164,11 @@ class StrataManager(OffloadingManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         with self._lock:
+            if not self._pass_open:
+                # First lookup of a scheduling pass: replies that arrived during the
+                # forward pass turn this pass's RETRYs into HITs.
+                self._pass_open = True
+                self._drain_inbox()
             pin = self._pinned.get(key)
             if pin is not None and pin.epoch == self._epoch:
                 pin.requests.add(req_context.req_id)
@@ -280,9 +289,14 @@ class StrataManager(OffloadingManager):
             if dropped:
                 # The stock ran dry this step: keep enough for a step like this one.
                 self._reserve_target = min(MAX_RESERVE_TARGET, max(2 * self._reserve_target, demand))
-            # Sent every step, even empty: the reply refreshes the index mirror, so chunks
-            # other engines stored become hits. Calls never pile up: the channel merges.
-            self._submit(self._take_request())
+            self._pass_open = False
+            request = self._take_request()
+            # Even with nothing to say, ask now and then: the reply refreshes the index
+            # mirror, so chunks other engines stored become hits. Calls never pile up:
+            # the channel merges requests while one is in flight.
+            now = time.monotonic()
+            if not request.is_empty() or now - self._last_submit >= self._refresh_s:
+                self._submit(request)
 
     @override
     def has_pending_work(self) -> bool:
@@ -385,6 +399,7 @@ class StrataManager(OffloadingManager):
             return StepRequest(holder=self.holder, namespace=self.namespace, epoch=self._epoch, known_seq=self._seq)
 
     def _submit(self, request: StepRequest) -> None:
+        self._last_submit = time.monotonic()
         self._channel.submit(request)
 
     def _release_idle_pins(self) -> None:
@@ -452,12 +467,12 @@ class StrataManager(OffloadingManager):
             self._mirror.discard(key)
         if reply.snapshot:
             fresh = set(reply.added)
-            removed = [key for key in self._mirror if key not in fresh and key not in self._pinned]
+            removed = [key for key in self._mirror if key not in fresh]
             added = [key for key in fresh if key not in self._mirror]
-            self._mirror = fresh | set(self._pinned)
+            self._mirror = fresh
         else:
             added = [key for key in reply.added if key not in self._mirror]
-            removed = [key for key in reply.removed if key in self._mirror and key not in self._pinned]
+            removed = [key for key in reply.removed if key in self._mirror]
             self._mirror.update(added)
             self._mirror.difference_update(removed)
         self._seq = reply.seq

@@ -341,3 +341,41 @@ def test_stats_report_declared_metrics(store_and_config):
     reduced = manager.get_stats().reduce()
     assert reduced["kvstrata:chunks_stored"] == 1
     assert set(reduced) <= set(declared)
+
+
+def test_reply_received_during_the_forward_pass_serves_the_next_pass(store_and_config):
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])
+    reader = make_manager(store, cfg, holder="reader")
+    assert reader.lookup(key(1), ctx()) is RETRY
+    reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    assert reader._channel.wait_idle(10)  # the reply is parked, not yet applied
+    assert reader.lookup(key(1), ctx()) is HIT  # first lookup of the next pass applies it
+
+
+def test_replies_are_not_applied_between_a_hit_and_its_prepare_load(store_and_config):
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    out = writer.prepare_store([key(1)], ctx("w"))
+    pool = store.arena.pools[writer.namespace]
+    pool.view(int(out.store_spec.block_ids[0]))[:] = 42
+    writer.complete_store([key(1)], ctx("w"))
+    step(writer)
+    reader = make_manager(store, cfg, holder="reader")
+    reader.lookup(key(1), ctx())
+    step(reader)
+    assert reader.lookup(key(1), ctx()) is HIT
+    # Mid-pass, an operator purges the namespace and a reply reporting it arrives.
+    store.purge(reader.namespace)
+    reader._channel.submit(reader._heartbeat_request())
+    assert reader._channel.wait_idle(10)
+    # The pass that saw HIT still loads the pinned bytes.
+    spec = reader.prepare_load([key(1)], ctx())
+    assert (pool.view(int(spec.block_ids[0])) == 42).all()
+    reader.complete_load([key(1)], ctx())
+    reader.on_request_finished(ctx())
+    step(reader)
+    assert reader.lookup(key(1), ctx("later")) is MISS
+    step(reader)
+    assert pool.stats()["orphans"] == 0 and pool.stats()["pinned"] == 0
