@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 
 from kvstrata.keys import Layout, make_key
 
@@ -47,3 +49,15 @@ def store_config(shm_dir, capacity: int, segment_size: int | None = None, lease_
         "tiers": {"cpu": {"capacity": capacity, "segment_size": segment_size or max(1, capacity // 4), "shm_dir": str(shm_dir), "prefault": False}},
         "engine": {"lease_seconds": lease_seconds, "reserve_slots": reserve_slots, "control_timeout_seconds": 5, "refresh_seconds": 0},
     }
+
+
+@contextlib.contextmanager
+def local_ray(namespace: str) -> Iterator[None]:
+    """A local Ray cluster on loopback for one test module; always shut down."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -21,18 +21,15 @@ from kvstrata.actors.options import STORE_NAMESPACE, store_actor_name
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager
-from tests.utils import key, layout, store_config
+from tests.utils import key, layout, local_ray, store_config
 
 SLOT = 4096
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="kvstrata-tests", log_to_driver=False)
-    try:
+    with local_ray("kvstrata-tests"):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture

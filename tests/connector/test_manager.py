@@ -31,10 +31,23 @@ def make_store(tmp_path, clock, slots=16, reserve_slots=4, lease_seconds=30.0):
 
 
 @pytest.fixture
-def store_and_config(tmp_path, clock):
-    store, cfg = make_store(tmp_path, clock)
-    yield store, cfg
-    store.close()
+def new_store(tmp_path, clock):
+    """Builds node stores for a test and closes every one of them afterwards."""
+    made = []
+
+    def build(**kwargs):
+        store, cfg = make_store(tmp_path, clock, **kwargs)
+        made.append(store)
+        return store, cfg
+
+    yield build
+    for store in made:
+        store.close()
+
+
+@pytest.fixture
+def store_and_config(new_store):
+    return new_store()
 
 
 managers: list[StrataManager] = []
@@ -97,53 +110,44 @@ def test_prepare_store_filters_keys_already_stored_or_in_flight(store_and_config
     assert manager.prepare_store([key(1)], ctx()).keys_to_store == []
 
 
-def test_prepare_store_returns_none_when_nothing_can_be_stored(tmp_path, clock):
-    store, cfg = make_store(tmp_path, clock, slots=4, reserve_slots=4)
-    try:
-        hog = make_manager(store, cfg, holder="hog")  # reserves all four slots
-        manager = make_manager(store, cfg, holder="engine-b")
-        assert manager.prepare_store([key(1)], ctx()) is None
-        assert manager.counters()["stores_dropped_no_slot"] == 1
-        # The hog stores and keeps pinning: still nothing evictable for engine-b.
-        hog_out = hog.prepare_store([key(10 + i) for i in range(4)], ctx("h"))
-        hog.complete_store(hog_out.keys_to_store, ctx("h"))
-        for i in range(4):
-            assert hog.lookup(key(10 + i), ctx("reader")) is HIT
-        step(hog)
+def test_prepare_store_returns_none_when_nothing_can_be_stored(new_store):
+    store, cfg = new_store(slots=4, reserve_slots=4)
+    hog = make_manager(store, cfg, holder="hog")  # reserves all four slots
+    manager = make_manager(store, cfg, holder="engine-b")
+    assert manager.prepare_store([key(1)], ctx()) is None
+    assert manager.counters()["stores_dropped_no_slot"] == 1
+    # The hog stores and keeps pinning: still nothing evictable for engine-b.
+    hog_out = hog.prepare_store([key(10 + i) for i in range(4)], ctx("h"))
+    hog.complete_store(hog_out.keys_to_store, ctx("h"))
+    for i in range(4):
+        assert hog.lookup(key(10 + i), ctx("reader")) is HIT
+    step(hog)
+    step(manager)
+    assert manager.prepare_store([key(1)], ctx()) is None
+
+
+def test_partial_stock_stores_the_head_of_the_offer(new_store):
+    store, cfg = new_store(slots=16, reserve_slots=2)
+    manager = make_manager(store, cfg)
+    out = manager.prepare_store([key(i) for i in range(5)], ctx())
+    assert out.keys_to_store == [key(0), key(1)]
+    assert manager.counters()["stores_dropped_no_slot"] == 3
+    step(manager)  # the stock grows to cover the demand it saw
+    assert len(manager.prepare_store([key(i) for i in range(2, 5)], ctx()).keys_to_store) == 3
+
+
+def test_stored_chunks_are_never_evicted_for_the_current_offer(new_store):
+    store, cfg = new_store(slots=4, reserve_slots=1)
+    manager = make_manager(store, cfg)
+    for i in range(3):
+        store_keys(manager, [key(i)])
         step(manager)
-        assert manager.prepare_store([key(1)], ctx()) is None
-    finally:
-        store.close()
-
-
-def test_partial_stock_stores_the_head_of_the_offer(tmp_path, clock):
-    store, cfg = make_store(tmp_path, clock, slots=16, reserve_slots=2)
-    try:
-        manager = make_manager(store, cfg)
-        out = manager.prepare_store([key(i) for i in range(5)], ctx())
-        assert out.keys_to_store == [key(0), key(1)]
-        assert manager.counters()["stores_dropped_no_slot"] == 3
-        step(manager)  # the stock grows to cover the demand it saw
-        assert len(manager.prepare_store([key(i) for i in range(2, 5)], ctx()).keys_to_store) == 3
-    finally:
-        store.close()
-
-
-def test_stored_chunks_are_never_evicted_for_the_current_offer(tmp_path, clock):
-    store, cfg = make_store(tmp_path, clock, slots=4, reserve_slots=1)
-    try:
-        manager = make_manager(store, cfg)
-        for i in range(3):
-            store_keys(manager, [key(i)])
-            step(manager)
-        # The arena is full: three chunks and one reserved slot.
-        out = manager.prepare_store([key(0), key(3)], ctx())
-        assert out.keys_to_store == [key(3)] and out.evicted_keys == []
-        manager.complete_store(out.keys_to_store, ctx())
-        step(manager)
-        assert store.arena.pools[manager.namespace].lookup(key(0)) is not None
-    finally:
-        store.close()
+    # The arena is full: three chunks and one reserved slot.
+    out = manager.prepare_store([key(0), key(3)], ctx())
+    assert out.keys_to_store == [key(3)] and out.evicted_keys == []
+    manager.complete_store(out.keys_to_store, ctx())
+    step(manager)
+    assert store.arena.pools[manager.namespace].lookup(key(0)) is not None
 
 
 def test_prepare_load_follows_key_order(store_and_config):
@@ -215,24 +219,21 @@ def test_pins_are_released_when_requests_are_done(store_and_config):
     assert pool.stats()["pinned"] == 0
 
 
-def test_evicted_chunk_becomes_a_miss_and_an_event(tmp_path, clock):
-    store, cfg = make_store(tmp_path, clock, slots=2, reserve_slots=1)
-    try:
-        manager = make_manager(store, cfg)
-        store_keys(manager, [key(0, group=3)])
-        step(manager)
-        store_keys(manager, [key(1, group=3)])
-        step(manager)
-        store_keys(manager, [key(2, group=3)])  # evicts key(0) to refill the stock
-        step(manager)
-        assert manager.lookup(key(0, group=3), ctx()) is MISS
-        events = list(manager.take_events())
-        stored = [k for e in events if not e.removed for k in e.keys]
-        removed = [k for e in events if e.removed for k in e.keys]
-        assert key(0, group=3) in stored and key(0, group=3) in removed
-        assert all(k.endswith((3).to_bytes(4, "big")) for k in stored + removed)  # group kept
-    finally:
-        store.close()
+def test_evicted_chunk_becomes_a_miss_and_an_event(new_store):
+    store, cfg = new_store(slots=2, reserve_slots=1)
+    manager = make_manager(store, cfg)
+    store_keys(manager, [key(0, group=3)])
+    step(manager)
+    store_keys(manager, [key(1, group=3)])
+    step(manager)
+    store_keys(manager, [key(2, group=3)])  # evicts key(0) to refill the stock
+    step(manager)
+    assert manager.lookup(key(0, group=3), ctx()) is MISS
+    events = list(manager.take_events())
+    stored = [k for e in events if not e.removed for k in e.keys]
+    removed = [k for e in events if e.removed for k in e.keys]
+    assert key(0, group=3) in stored and key(0, group=3) in removed
+    assert all(k.endswith((3).to_bytes(4, "big")) for k in stored + removed)  # group kept
 
 
 def test_engines_with_different_layouts_never_share_chunks(store_and_config):
@@ -246,19 +247,16 @@ def test_engines_with_different_layouts_never_share_chunks(store_and_config):
     assert b.prepare_store([key(1)], ctx()).keys_to_store == [key(1)]
 
 
-def test_dead_engine_pins_expire_with_its_lease(tmp_path, clock):
-    store, cfg = make_store(tmp_path, clock, slots=2, reserve_slots=2, lease_seconds=10)
-    try:
-        dead = make_manager(store, cfg, holder="dead")
-        dead._channel.close()  # the engine died: no more renewals, no clean release
-        alive = make_manager(store, cfg, holder="alive")
-        assert alive.prepare_store([key(1)], ctx()) is None
-        clock.advance(11)
-        step(alive)  # alive renews; the store notices dead's lease ran out
-        step(alive)
-        assert alive.prepare_store([key(1)], ctx()) is not None
-    finally:
-        store.close()
+def test_dead_engine_pins_expire_with_its_lease(new_store, clock):
+    store, cfg = new_store(slots=2, reserve_slots=2, lease_seconds=10)
+    dead = make_manager(store, cfg, holder="dead")
+    dead._channel.close()  # the engine died: no more renewals, no clean release
+    alive = make_manager(store, cfg, holder="alive")
+    assert alive.prepare_store([key(1)], ctx()) is None
+    clock.advance(11)
+    step(alive)  # alive renews; the store notices dead's lease ran out
+    step(alive)
+    assert alive.prepare_store([key(1)], ctx()) is not None
 
 
 class FlakyClient(LocalStoreClient):
@@ -291,23 +289,20 @@ def test_store_failure_turns_retries_into_misses_and_recovers(store_and_config):
     assert reader.lookup(key(2), ctx()) is HIT
 
 
-def test_store_restart_drops_old_state_and_serves_again(tmp_path, clock):
-    store, cfg = make_store(tmp_path, clock)
+def test_store_restart_drops_old_state_and_serves_again(new_store):
+    store, cfg = new_store()
     client = LocalStoreClient(store)
     manager = make_manager(store, cfg, client=client)
     store_keys(manager, [key(1)])
     old_epoch = store.arena.epoch
     store.close()
-    client.store, _ = make_store(tmp_path, clock)  # Ray restarted the actor: empty, new epoch
-    try:
-        step(manager)  # reply carries the new epoch; the manager re-registers
-        step(manager)
-        assert manager.lookup(key(1), ctx("new")) is MISS
-        assert client.store.arena.epoch != old_epoch
-        store_keys(manager, [key(2)])
-        assert client.store.keys(manager.namespace) == [key(2)]
-    finally:
-        client.store.close()
+    client.store, _ = new_store()  # Ray restarted the actor: empty, new epoch
+    step(manager)  # reply carries the new epoch; the manager re-registers
+    step(manager)
+    assert manager.lookup(key(1), ctx("new")) is MISS
+    assert client.store.arena.epoch != old_epoch
+    store_keys(manager, [key(2)])
+    assert client.store.keys(manager.namespace) == [key(2)]
 
 
 def test_reset_cache_purges_the_namespace(store_and_config):

@@ -7,14 +7,16 @@ the arena like they would in production.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import numpy as np
 import pytest
 import ray
 
-from kvstrata.actors.client import get_node_store, shutdown_node_store
+from kvstrata.actors.client import StoreUnavailable, get_node_store, shutdown_node_store
 from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
+from tests.utils import local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -23,14 +25,12 @@ BLOCK = 32
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="kvstrata-e2e", log_to_driver=False)
-    try:
-        yield
-    finally:
+    with local_ray("kvstrata-e2e"):
         try:
-            shutdown_node_store(get_node_store())
+            yield
         finally:
-            ray.shutdown()
+            with contextlib.suppress(StoreUnavailable):
+                shutdown_node_store(get_node_store())
 
 
 @pytest.fixture(scope="module")
