@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover - older vLLM
 logger = logging.getLogger(__name__)
 
 MIN_VLLM = Version("0.29")
+# 0.33 tells managers when the workers finished every job in flight at a reset.
+HAS_RESET_FLUSHED = hasattr(OffloadingManager, "on_reset_flushed")
 MAX_VLLM_EXCLUSIVE = Version("0.34")
 VLLM_VERSION = Version(vllm.__version__.split("+")[0])
 
@@ -98,6 +100,7 @@ __all__ = [
     "RequestOffloadingContext",
     "ScheduleEndContext",
     "TransferResult",
+    "HAS_RESET_FLUSHED",
     "check_vllm_version",
     "make_event",
     "override",

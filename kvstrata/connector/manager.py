@@ -27,6 +27,7 @@ from typing import Any
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.config import KvstrataConfig
 from kvstrata.connector.compat import (
+    HAS_RESET_FLUSHED,
     BlockIDsLoadStoreSpec,
     LookupResult,
     OffloadingConnectorStats,
@@ -117,7 +118,7 @@ class StrataManager(OffloadingManager):
         self._out_commit: list[tuple[int, bytes]] = []
         self._out_unpin: list[int] = []
         self._out_release: list[int] = []
-        self._unpin_next_step: list[int] = []
+        self._reset_pins: list[int] = []  # released once vLLM flushed pre-reset loads
         self._purge_requested = False
         self._store_demand = 0
         self._store_dropped = 0
@@ -315,11 +316,12 @@ class StrataManager(OffloadingManager):
     def reset_cache(self) -> None:
         """vLLM's reset_prefix_cache(reset_connector=True): purge this namespace on the node.
 
-        Pins are released one step late: vLLM flushes in-flight loads to the workers in
-        the next step, and a slot must not be reused while a load may still read it.
+        A slot must not be reused while a load from before the reset may still read it:
+        on vLLM 0.33 pins are released when vLLM reports the flush (`on_reset_flushed`);
+        before 0.33, one step late (vLLM flushes in-flight jobs in the next step).
         """
         with self._lock:
-            self._unpin_next_step.extend(p.slot for p in self._pinned.values() if p.epoch == self._epoch)
+            self._reset_pins.extend(p.slot for p in self._pinned.values() if p.epoch == self._epoch)
             self._pinned.clear()
             self._pin_waiters.clear()
             self._to_pin.clear()
@@ -328,6 +330,11 @@ class StrataManager(OffloadingManager):
             self._mirror.clear()
             self._req_keys.clear()
             self._purge_requested = True
+
+    def on_reset_flushed(self) -> None:
+        with self._lock:
+            self._out_unpin.extend(self._reset_pins)
+            self._reset_pins = []
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         with self._lock:
@@ -389,8 +396,9 @@ class StrataManager(OffloadingManager):
         self._reserve_outstanding += request.reserve
         self._to_pin, self._to_touch = [], []
         self._out_unpin, self._out_commit, self._out_release = [], [], []
-        self._out_unpin.extend(self._unpin_next_step)
-        self._unpin_next_step = []
+        if not HAS_RESET_FLUSHED:
+            self._out_unpin.extend(self._reset_pins)
+            self._reset_pins = []
         self._purge_requested = False
         return request
 
@@ -512,7 +520,7 @@ class StrataManager(OffloadingManager):
         self._out_commit.clear()
         self._out_unpin.clear()
         self._out_release.clear()
-        self._unpin_next_step.clear()
+        self._reset_pins.clear()
         for key in [k for k, p in self._pinned.items() if not p.loads]:
             del self._pinned[key]
         self._adopt(registration)

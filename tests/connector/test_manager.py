@@ -317,6 +317,30 @@ def test_reset_cache_purges_the_namespace(store_and_config):
     assert store.arena.pools[manager.namespace].stats()["pinned"] == 0
 
 
+def test_reset_keeps_slots_of_inflight_loads_until_vllm_flushed_them(store_and_config):
+    from kvstrata.connector.compat import HAS_RESET_FLUSHED
+
+    store, cfg = store_and_config
+    manager = make_manager(store, cfg)
+    store_keys(manager, [key(1)])
+    step(manager)
+    manager.lookup(key(1), ctx())
+    step(manager)
+    assert manager.lookup(key(1), ctx()) is HIT
+    manager.prepare_load([key(1)], ctx())  # the load is in flight when the reset comes
+    manager.reset_cache()
+    pool = store.arena.pools[manager.namespace]
+    step(manager)
+    assert store.keys(manager.namespace) == []
+    assert pool.stats()["orphans"] == 1  # purged from the index, bytes still pinned
+    if HAS_RESET_FLUSHED:
+        step(manager)
+        assert pool.stats()["orphans"] == 1
+        manager.on_reset_flushed()
+    step(manager)
+    assert pool.stats()["orphans"] == 0 and pool.stats()["pinned"] == 0
+
+
 def test_lock_is_a_real_lock_held_across_threads(store_and_config):
     manager = make_manager(*store_and_config)
     acquired = []
