@@ -1,0 +1,395 @@
+"""The local-disk tier: fixed-size, self-describing records in one slab file per namespace.
+
+Why this layout (rather than one file per chunk): a chunk store or eviction is one
+positioned write into a preallocated record, with no file creation, rename or
+directory update, so the tier is bounded by construction and its metadata cost does
+not grow with the number of chunks.
+
+Invariants:
+- Every record is `[4 KiB header | payload]`, both 4 KiB aligned, written with one
+  `pwritev` (O_DIRECT where the filesystem supports it, buffered otherwise). The header
+  names the key, the namespace and the payload length, and carries an xxh3-128 digest
+  of namespace ‖ key ‖ payload.
+- Every read is verified against that digest (and the key and namespace). A mismatch
+  (a flipped bit, a torn write) is never served: it is a miss, a counter and a
+  quarantine of the record.
+- The index lives in memory and is rebuilt at start-up from the headers, so a store
+  restarted after a crash, or after a reboot, serves what is on disk. A record torn by
+  a crash fails its digest on first read and is dropped then.
+- Allocated records never exceed `capacity` bytes; LRU records make room. Records with
+  an I/O in flight are never evicted or reused.
+- Disk full or I/O errors stop admission (logged once, counted); reads go on.
+
+No Ray and no vLLM in here; calls may come from several I/O threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvstrata.keys import SLOT_ALIGNMENT, align_up, key_name
+from kvstrata.tiers.policies import EvictionPolicy, make_policy
+
+logger = logging.getLogger(__name__)
+
+HEADER_BYTES = SLOT_ALIGNMENT
+MAGIC = b"KVSTRAT1"
+_HEADER = struct.Struct("<8sHHHQ16s")  # magic, version, key len, namespace len, payload len, digest
+VERSION = 1
+SLAB_SUFFIX = ".slab"
+
+
+class DiskTierError(RuntimeError):
+    """The disk tier cannot be used as configured; the message names the path and reason."""
+
+
+def chunk_digest(namespace: str, key: bytes, payload) -> bytes:
+    hasher = xxhash.xxh3_128()
+    hasher.update(namespace.encode())
+    hasher.update(key)
+    hasher.update(memoryview(payload).cast("B"))
+    return hasher.digest()
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    key: bytes
+    namespace: str
+    payload_bytes: int
+    digest: bytes
+
+    def pack(self, out: memoryview) -> None:
+        namespace = self.namespace.encode()
+        out[: HEADER_BYTES] = bytes(HEADER_BYTES)
+        _HEADER.pack_into(out, 0, MAGIC, VERSION, len(self.key), len(namespace), self.payload_bytes, self.digest)
+        start = _HEADER.size
+        out[start : start + len(self.key)] = self.key
+        out[start + len(self.key) : start + len(self.key) + len(namespace)] = namespace
+
+    @classmethod
+    def unpack(cls, data: memoryview) -> "RecordHeader | None":
+        magic, version, key_len, ns_len, payload, digest = _HEADER.unpack_from(data, 0)
+        if magic != MAGIC or version != VERSION or _HEADER.size + key_len + ns_len > HEADER_BYTES:
+            return None
+        start = _HEADER.size
+        key = bytes(data[start : start + key_len])
+        try:
+            namespace = bytes(data[start + key_len : start + key_len + ns_len]).decode()
+        except UnicodeDecodeError:
+            return None
+        return cls(key, namespace, payload, digest)
+
+
+def _aligned_buffer(size: int) -> mmap.mmap:
+    """Anonymous mappings are page aligned, as O_DIRECT requires."""
+    return mmap.mmap(-1, size)
+
+
+def _is_aligned(array: np.ndarray) -> bool:
+    return array.ctypes.data % SLOT_ALIGNMENT == 0 and array.nbytes % SLOT_ALIGNMENT == 0
+
+
+class _Slab:
+    """The records of one namespace in one file. Callers hold the tier's lock."""
+
+    def __init__(self, path: Path, namespace: str, payload_bytes: int, direct_io: bool, policy: EvictionPolicy):
+        self.path = path
+        self.namespace = namespace
+        self.payload_bytes = payload_bytes
+        self.record_bytes = HEADER_BYTES + align_up(payload_bytes)
+        self.policy = policy
+        self.fd, self.direct = _open(path, direct_io)
+        # A record cut short by a crash at the end of the file still counts: its read fails.
+        self.num_records = -(-os.fstat(self.fd).st_size // self.record_bytes)
+        self.free: list[int] = []
+        self.index: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.busy: dict[int, int] = {}  # record -> I/O operations in flight
+
+    def offset(self, record: int) -> int:
+        return record * self.record_bytes
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _open(path: Path, direct_io: bool) -> tuple[int, bool]:
+    flags = os.O_RDWR | os.O_CREAT
+    if direct_io and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            logger.info("kvstrata disk tier: %s does not support O_DIRECT; using buffered I/O", path.parent)
+    return os.open(path, flags, 0o600), False
+
+
+class DiskTier:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity: int,
+        direct_io: bool = True,
+        eviction_policy: str = "lru",
+        on_change: Callable[[str, bytes, bool], None] | None = None,
+    ):
+        if capacity <= 0:
+            raise DiskTierError(f"tiers.disk.capacity must be positive, got {capacity}")
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".kvstrata-write-probe"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            raise DiskTierError(f"tiers.disk.path: {self.root} is not a writable directory ({exc.strerror or exc})") from None
+        make_policy(eviction_policy)
+        self.capacity = capacity
+        self.direct_io = direct_io
+        self.eviction_policy = eviction_policy
+        self.on_change = on_change
+        self._lock = threading.Lock()
+        self._slabs: dict[str, _Slab] = {}
+        self._allocated = 0
+        self.admitting = True
+        self.counters = {
+            "stored": 0,
+            "read": 0,
+            "evicted": 0,
+            "corrupt_chunks": 0,
+            "write_errors": 0,
+            "read_errors": 0,
+            "dropped_not_admitting": 0,
+        }
+        self._recover()
+
+    # --- public ----------------------------------------------------------------------
+
+    def contains(self, namespace: str, key: bytes) -> bool:
+        with self._lock:
+            slab = self._slabs.get(namespace)
+            return slab is not None and key in slab.index
+
+    def keys(self, namespace: str) -> list[bytes]:
+        with self._lock:
+            slab = self._slabs.get(namespace)
+            return [] if slab is None else list(slab.index)
+
+    def write(self, namespace: str, key: bytes, payload: np.ndarray) -> bool:
+        """Store one chunk; False (counted) if it was not stored. Never raises on I/O errors."""
+        payload = np.ascontiguousarray(payload).view(np.uint8).reshape(-1)
+        with self._lock:
+            if not self.admitting:
+                self.counters["dropped_not_admitting"] += 1
+                return False
+            slab = self._slab(namespace, payload.nbytes)
+            if key in slab.index:
+                slab.policy.touch(slab.index[key])
+                return True
+            record = self._allocate(slab)
+            if record is None:
+                self.counters["dropped_not_admitting"] += 1
+                return False
+            slab.busy[record] = 1
+        header = _aligned_buffer(HEADER_BYTES)
+        RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(memoryview(header))
+        body = payload
+        pad = slab.record_bytes - HEADER_BYTES - payload.nbytes
+        if slab.direct and (not _is_aligned(payload) or pad):
+            bounce = np.frombuffer(_aligned_buffer(slab.record_bytes - HEADER_BYTES), dtype=np.uint8)
+            bounce[: payload.nbytes] = payload
+            body = bounce
+        try:
+            written = os.pwritev(slab.fd, [header, memoryview(body)], slab.offset(record))
+            if written != HEADER_BYTES + body.nbytes:
+                raise OSError(errno.EIO, f"short write ({written} bytes)")
+        except OSError as exc:
+            with self._lock:
+                del slab.busy[record]
+                slab.free.append(record)
+                self.counters["write_errors"] += 1
+                if self.admitting:
+                    self.admitting = False
+                    logger.error(
+                        "kvstrata disk tier: writing %s failed (%s); no longer admitting chunks, still serving reads",
+                        slab.path,
+                        exc.strerror or exc,
+                    )
+            return False
+        with self._lock:
+            del slab.busy[record]
+            slab.index[key] = record
+            slab.key_of[record] = key
+            slab.policy.add(record)
+            self.counters["stored"] += 1
+        self._notify(namespace, key, True)
+        return True
+
+    def read_into(self, namespace: str, key: bytes, out: np.ndarray) -> bool:
+        """Read and verify one chunk into `out`; False (a miss) if absent, unreadable or corrupt."""
+        out = out.view(np.uint8).reshape(-1)
+        with self._lock:
+            slab = self._slabs.get(namespace)
+            record = None if slab is None else slab.index.get(key)
+            if record is None:
+                return False
+            if out.nbytes < slab.payload_bytes:
+                raise ValueError(f"buffer of {out.nbytes} bytes cannot hold chunk {key_name(key)} ({slab.payload_bytes} bytes)")
+            slab.busy[record] = slab.busy.get(record, 0) + 1
+            slab.policy.touch(record)
+        header = _aligned_buffer(HEADER_BYTES)
+        # O_DIRECT reads whole aligned records; buffered I/O reads just the payload.
+        read_bytes = slab.record_bytes - HEADER_BYTES if slab.direct else slab.payload_bytes
+        bounced = out.nbytes < read_bytes or (slab.direct and not _is_aligned(out))
+        body = np.frombuffer(_aligned_buffer(read_bytes), dtype=np.uint8) if bounced else out[:read_bytes]
+        try:
+            got = os.preadv(slab.fd, [header, memoryview(body)], slab.offset(record))
+            error = None if got == HEADER_BYTES + read_bytes else f"short read ({got} bytes)"
+        except OSError as exc:
+            error = exc.strerror or str(exc)
+        ok = False
+        if error is None:
+            parsed = RecordHeader.unpack(memoryview(header))
+            payload = body[: slab.payload_bytes]
+            ok = (
+                parsed is not None
+                and parsed.key == key
+                and parsed.namespace == namespace
+                and parsed.payload_bytes == slab.payload_bytes
+                and parsed.digest == chunk_digest(namespace, key, payload)
+            )
+            if ok and bounced:
+                out[: slab.payload_bytes] = payload
+        with self._lock:
+            slab.busy[record] -= 1
+            if not slab.busy[record]:
+                del slab.busy[record]
+            if ok:
+                self.counters["read"] += 1
+            elif slab.index.get(key) == record:
+                self.counters["read_errors" if error else "corrupt_chunks"] += 1
+                self._drop(slab, key, record)
+        if not ok:
+            logger.warning(
+                "kvstrata disk tier: chunk %s of namespace %s %s; dropped (a miss)",
+                key_name(key),
+                namespace,
+                f"unreadable: {error}" if error else "failed its checksum",
+            )
+            self._notify(namespace, key, False)
+        return ok
+
+    def remove(self, namespace: str, key: bytes) -> bool:
+        """Forget a chunk for good: its header is wiped so a restart does not bring it back."""
+        with self._lock:
+            slab = self._slabs.get(namespace)
+            record = None if slab is None else slab.index.get(key)
+            if record is None or record in slab.busy:
+                return False
+            try:
+                os.pwrite(slab.fd, _aligned_buffer(HEADER_BYTES), slab.offset(record))
+            except OSError as exc:
+                logger.warning("kvstrata disk tier: could not wipe the record of %s: %s", key_name(key), exc)
+            self._drop(slab, key, record)
+        self._notify(namespace, key, False)
+        return True
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "path": str(self.root),
+                "capacity": self.capacity,
+                "allocated": self._allocated,
+                "admitting": self.admitting,
+                "direct_io": {ns: slab.direct for ns, slab in self._slabs.items()},
+                "resident": {ns: len(slab.index) for ns, slab in self._slabs.items()},
+                **self.counters,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            for slab in self._slabs.values():
+                slab.close()
+            self._slabs.clear()
+
+    # --- internals --------------------------------------------------------------------
+
+    def _notify(self, namespace: str, key: bytes, present: bool) -> None:
+        if self.on_change is not None:
+            self.on_change(namespace, key, present)
+
+    def _slab(self, namespace: str, payload_bytes: int) -> _Slab:
+        slab = self._slabs.get(namespace)
+        if slab is None:
+            path = self.root / f"{namespace}-{payload_bytes}{SLAB_SUFFIX}"
+            slab = _Slab(path, namespace, payload_bytes, self.direct_io, make_policy(self.eviction_policy))
+            self._slabs[namespace] = slab
+        elif slab.payload_bytes != payload_bytes:
+            raise ValueError(
+                f"namespace {namespace}: chunk of {payload_bytes} bytes, the disk slab holds {slab.payload_bytes}-byte chunks"
+            )
+        return slab
+
+    def _allocate(self, slab: _Slab) -> int | None:
+        if slab.free:
+            return slab.free.pop()
+        if self._allocated + slab.record_bytes <= self.capacity:
+            record = slab.num_records
+            slab.num_records += 1
+            self._allocated += slab.record_bytes
+            return record
+        for record in slab.policy.candidates():
+            if record in slab.busy:
+                continue
+            key = slab.key_of[record]
+            self._drop(slab, key, record, free=False)
+            self.counters["evicted"] += 1
+            if self.on_change is not None:
+                # Outside-lock notification would reorder events; the callback is cheap.
+                self.on_change(slab.namespace, key, False)
+            return record
+        return None
+
+    def _drop(self, slab: _Slab, key: bytes, record: int, free: bool = True) -> None:
+        del slab.index[key]
+        del slab.key_of[record]
+        slab.policy.remove(record)
+        if free:
+            slab.free.append(record)
+
+    def _recover(self) -> None:
+        """Rebuild the index from the record headers left by a previous store."""
+        for path in sorted(self.root.glob(f"*{SLAB_SUFFIX}")):
+            namespace, _, size = path.stem.rpartition("-")
+            if not namespace or not size.isdigit():
+                continue
+            slab = self._slab(namespace, int(size))
+            header = _aligned_buffer(HEADER_BYTES)
+            for record in range(slab.num_records):
+                try:
+                    os.preadv(slab.fd, [header], slab.offset(record))
+                except OSError:
+                    parsed = None
+                else:
+                    parsed = RecordHeader.unpack(memoryview(header))
+                if parsed is None or parsed.namespace != namespace or parsed.key in slab.index:
+                    slab.free.append(record)
+                    continue
+                slab.index[parsed.key] = record
+                slab.key_of[record] = parsed.key
+                slab.policy.add(record)
+            self._allocated += slab.num_records * slab.record_bytes
+            if slab.index:
+                logger.info("kvstrata disk tier: recovered %d chunks of namespace %s from %s", len(slab.index), namespace, path)

@@ -1,0 +1,178 @@
+"""The disk tier alone: exact bytes, restart, checksums, torn writes, capacity, disk errors."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+
+import numpy as np
+import pytest
+
+from kvstrata.tiers.disk import HEADER_BYTES, DiskTier, DiskTierError
+from tests.utils import key
+
+CHUNK = 16384
+NS = "ns0"
+
+
+def chunk(seed: int, size: int = CHUNK) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def direct_io(request):
+    return request.param
+
+
+@pytest.fixture
+def tiers():
+    made: list[DiskTier] = []
+    yield made
+    for tier in made:
+        tier.close()
+
+
+def open_tier(tiers, path, capacity=64 * CHUNK, **kwargs) -> DiskTier:
+    tier = DiskTier(path, capacity, **kwargs)
+    tiers.append(tier)
+    return tier
+
+
+def test_round_trip_is_bit_exact(tmp_path, tiers, direct_io):
+    tier = open_tier(tiers, tmp_path, direct_io=direct_io)
+    for i in range(5):
+        assert tier.write(NS, key(i, group=i % 2), chunk(i))
+    for i in range(5):
+        out = np.zeros(CHUNK, dtype=np.uint8)
+        assert tier.read_into(NS, key(i, group=i % 2), out)
+        assert np.array_equal(out, chunk(i))
+    assert not tier.read_into(NS, key(99), np.zeros(CHUNK, dtype=np.uint8))
+
+
+def test_unaligned_sizes_round_trip(tmp_path, tiers, direct_io):
+    tier = open_tier(tiers, tmp_path, direct_io=direct_io)
+    data = chunk(7, size=10_000)
+    assert tier.write(NS, key(1), data)
+    out = np.zeros(10_000, dtype=np.uint8)
+    assert tier.read_into(NS, key(1), out)
+    assert np.array_equal(out, data)
+
+
+def test_a_restarted_tier_serves_what_is_on_disk(tmp_path, tiers, direct_io):
+    first = open_tier(tiers, tmp_path, direct_io=direct_io)
+    for i in range(4):
+        first.write(NS, key(i), chunk(i))
+    first.close()  # the store died; nothing but the files survives
+    second = open_tier(tiers, tmp_path, direct_io=direct_io)
+    assert sorted(second.keys(NS)) == sorted(key(i) for i in range(4))
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert second.read_into(NS, key(2), out) and np.array_equal(out, chunk(2))
+    assert second.write(NS, key(10), chunk(10))  # and keeps admitting within capacity
+    assert second.stats()["allocated"] == 5 * (HEADER_BYTES + CHUNK)
+
+
+def slab_file(tmp_path):
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".slab"]
+    return path
+
+
+def test_a_flipped_byte_is_a_miss_a_counter_and_a_quarantine(tmp_path, tiers):
+    tier = open_tier(tiers, tmp_path)
+    tier.write(NS, key(1), chunk(1))
+    tier.write(NS, key(2), chunk(2))
+    with open(slab_file(tmp_path), "r+b") as f:
+        f.seek(HEADER_BYTES + 100)  # inside the first record's payload
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([byte[0] ^ 0x01]))
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert not tier.read_into(NS, key(1), out)
+    assert tier.stats()["corrupt_chunks"] == 1
+    assert not tier.contains(NS, key(1))
+    assert tier.read_into(NS, key(2), out) and np.array_equal(out, chunk(2))
+
+
+def test_a_torn_write_is_never_served_even_after_restart(tmp_path, tiers):
+    tier = open_tier(tiers, tmp_path, direct_io=False)
+    for i in (1, 3, 4):
+        tier.write(NS, key(i), chunk(i))
+    tier.remove(NS, key(3))  # record 1 is free again ...
+    tier.close()
+    # ... and a crash hits while key(2) is being written there: its header made it,
+    # half its payload did not (the rest is key(3)'s old bytes).
+    donor = open_tier(tiers, tmp_path / "donor", direct_io=False)
+    donor.write(NS, key(2), chunk(2))
+    donor.close()
+    record = slab_file(tmp_path / "donor").read_bytes()
+    with open(slab_file(tmp_path), "r+b") as f:
+        f.seek(HEADER_BYTES + CHUNK)
+        f.write(record[: HEADER_BYTES + CHUNK // 2])
+    tier = open_tier(tiers, tmp_path, direct_io=False)
+    assert tier.contains(NS, key(2))  # the header looks fine ...
+    assert not tier.read_into(NS, key(2), np.zeros(CHUNK, dtype=np.uint8))  # ... the digest does not
+    assert tier.stats()["corrupt_chunks"] == 1
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert tier.read_into(NS, key(4), out) and np.array_equal(out, chunk(4))
+
+
+def test_capacity_holds_and_lru_chunks_go_first(tmp_path, tiers):
+    capacity = 8 * (HEADER_BYTES + CHUNK)
+    removed = []
+    tier = open_tier(tiers, tmp_path, capacity=capacity, on_change=lambda ns, k, present: present or removed.append(k))
+    for i in range(24):  # three times the capacity
+        assert tier.write(NS, key(i), chunk(i))
+        if i == 4:
+            tier.read_into(NS, key(0), np.zeros(CHUNK, dtype=np.uint8))  # key(0) recently used
+    on_disk = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert on_disk <= capacity
+    assert tier.stats()["allocated"] <= capacity
+    assert not tier.contains(NS, key(1)) and tier.contains(NS, key(23))
+    assert len(removed) == 16 and key(1) in removed
+    assert not tier.read_into(NS, key(1), np.zeros(CHUNK, dtype=np.uint8))
+
+
+def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers):
+    tier = open_tier(tiers, tmp_path, capacity=1 << 30, direct_io=False)
+    assert tier.write(NS, key(0), chunk(0))
+    limit = os.path.getsize(slab_file(tmp_path)) + CHUNK  # room for less than one more record
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+        assert not tier.write(NS, key(1), chunk(1))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    stats = tier.stats()
+    assert stats["write_errors"] == 1 and stats["admitting"] is False
+    assert not tier.write(NS, key(2), chunk(2))  # no more attempts
+    assert tier.stats()["dropped_not_admitting"] == 1
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert tier.read_into(NS, key(0), out) and np.array_equal(out, chunk(0))
+
+
+def test_unwritable_path_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(DiskTierError, match=f"tiers.disk.path: {blocker / 'sub'} is not a writable directory"):
+        DiskTier(blocker / "sub", capacity=1 << 20)
+    with pytest.raises(DiskTierError, match="capacity must be positive"):
+        DiskTier(tmp_path, capacity=0)
+
+
+def test_removed_chunks_stay_removed_after_restart(tmp_path, tiers, direct_io):
+    tier = open_tier(tiers, tmp_path, direct_io=direct_io)
+    tier.write(NS, key(1), chunk(1))
+    tier.write(NS, key(2), chunk(2))
+    assert tier.remove(NS, key(1))
+    tier.close()
+    again = open_tier(tiers, tmp_path, direct_io=direct_io)
+    assert again.keys(NS) == [key(2)]
+
+
+def test_namespaces_never_mix(tmp_path, tiers):
+    tier = open_tier(tiers, tmp_path)
+    tier.write("model-a", key(1), chunk(1))
+    assert not tier.contains("model-b", key(1))
+    assert not tier.read_into("model-b", key(1), np.zeros(CHUNK, dtype=np.uint8))
