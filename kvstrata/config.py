@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -77,8 +77,23 @@ class CpuTierConfig(_Strict):
     )
 
 
+class DiskTierConfig(_Strict):
+    """Local NVMe: checksummed records in one slab file per namespace, restart-safe."""
+
+    path: str = Field(description="directory of this node's slab files; one store per directory")
+    capacity: ByteSize = Field(gt=0, description="bytes of records on disk at most")
+    write_policy: Literal["write_through", "write_back"] = Field(
+        default="write_through",
+        description="write_through: every committed chunk goes to disk; write_back: when evicted from the arena",
+    )
+    io_threads: int = Field(default=2, ge=1, le=64)
+    direct_io: bool = Field(default=True, description="O_DIRECT where the filesystem supports it")
+    queue_depth: int = Field(default=256, ge=1, description="disk writes waiting at most; more are dropped and counted")
+
+
 class TiersConfig(_Strict):
     cpu: CpuTierConfig = CpuTierConfig()
+    disk: DiskTierConfig | None = None
 
 
 class EngineConfig(_Strict):

@@ -54,11 +54,13 @@ class StepReply:
     epoch: str
     seq: int
     pinned: dict[bytes, int] = field(default_factory=dict)
+    # Asked-for pins: gone from every tier (a miss) / being promoted (ask again).
     missing: list[bytes] = field(default_factory=list)
+    pending: list[bytes] = field(default_factory=list)
     reserved: list[int] = field(default_factory=list)
-    added: list[bytes] = field(default_factory=list)
-    removed: list[bytes] = field(default_factory=list)
-    # True: `added` is the whole index and replaces the engine's mirror.
+    # (key, medium, present) per tier membership change since the engine's `known_seq`.
+    changes: list[tuple[bytes, str, bool]] = field(default_factory=list)
+    # True: `changes` lists everything present and replaces the engine's mirror.
     snapshot: bool = False
     rejected: list[str] = field(default_factory=list)
 
@@ -71,4 +73,4 @@ class Registration:
     node_id: str
     geometry: object  # kvstrata.tiers.arena.PoolGeometry
     seq: int
-    keys: list[bytes]
+    changes: list[tuple[bytes, str, bool]]  # everything present, as in a snapshot reply

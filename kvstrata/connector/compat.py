@@ -58,9 +58,9 @@ def check_vllm_version() -> None:
         )
 
 
-def make_event(keys: list[bytes], removed: bool) -> OffloadingEvent:
-    """A CPU-tier event; the node arena is local to the engine's node."""
-    kwargs: dict[str, Any] = {"keys": keys, "medium": Medium.CPU, "removed": removed}
+def make_event(keys: list[bytes], removed: bool, medium: str = "CPU") -> OffloadingEvent:
+    """An event of a node-local tier: `CPU` (the arena) or `STORAGE` (disk)."""
+    kwargs: dict[str, Any] = {"keys": keys, "medium": Medium(medium), "removed": removed}
     if Locality is not None:
         kwargs["locality"] = Locality.LOCAL
     return OffloadingEvent(**kwargs)

@@ -43,6 +43,7 @@ from kvstrata.connector.compat import (
 )
 from kvstrata.keys import Layout, key_name
 from kvstrata.tiers.arena import PoolGeometry
+from kvstrata.tiers.changelog import CPU
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ COUNTER_NAMES = {
     "stores_dropped_no_slot": "Chunks not stored because no reserved arena slot was free.",
     "stores_failed": "Chunk stores the engine reported as failed.",
     "pins_missed": "Chunks believed resident that were gone when the pin arrived (misses).",
+    "chunks_promoted": "Hits that waited for the node store to bring the chunk from disk into the arena.",
     "control_failures": "Control calls to the node store that failed or timed out.",
 }
 GAUGE_NAMES = {
@@ -105,7 +107,9 @@ class StrataManager(OffloadingManager):
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._reported = dict.fromkeys(COUNTER_NAMES, 0)
 
-        self._mirror: set[bytes] = set()
+        # key -> tiers ("CPU", "STORAGE") of the node store that hold it
+        self._mirror: dict[bytes, set[str]] = {}
+        self._promoted: set[bytes] = set()  # pins that waited on a promotion
         self._pinned: dict[bytes, _Pin] = {}
         self._pin_waiters: dict[bytes, set[str]] = {}  # asked for, not yet answered
         self._to_pin: list[bytes] = []  # asked for, not yet sent
@@ -135,7 +139,7 @@ class StrataManager(OffloadingManager):
             holder,
             self.namespace,
             layout.slot_bytes,
-            len(registration.keys),
+            len(self._mirror),
             registration.node_id,
         )
         from kvstrata.connector.control import ControlChannel
@@ -256,8 +260,9 @@ class StrataManager(OffloadingManager):
                     self._out_commit.append((slot, key))
                     # The store keeps the writer's pin at commit; we hold it until idle.
                     self._pinned[key] = _Pin(slot, self._epoch)
-                    if key not in self._mirror:
-                        self._mirror.add(key)
+                    media = self._mirror.setdefault(key, set())
+                    if CPU not in media:
+                        media.add(CPU)
                         stored.append(key)
                 else:
                     self._out_release.append(slot)
@@ -376,7 +381,8 @@ class StrataManager(OffloadingManager):
         self._epoch = registration.epoch
         self._geometry: PoolGeometry = registration.geometry
         self._seq = registration.seq
-        self._mirror = set(registration.keys)
+        self._mirror = {}
+        self._apply_changes(registration.changes, snapshot=True, emit=False)
 
     def _take_request(self) -> StepRequest:
         want = self._reserve_target - len(self._stock) - self._reserve_outstanding
@@ -460,6 +466,9 @@ class StrataManager(OffloadingManager):
         self._reserve_outstanding -= request.reserve
         self._stock.extend(reply.reserved)
         for key, slot in reply.pinned.items():
+            if key in self._promoted:
+                self._promoted.discard(key)
+                self._counters["chunks_promoted"] += 1
             waiters = self._pin_waiters.pop(key, set())
             held = self._pinned.get(key)
             if held is None:
@@ -472,25 +481,47 @@ class StrataManager(OffloadingManager):
             if key in self._pin_waiters:
                 del self._pin_waiters[key]
                 self._counters["pins_missed"] += 1
-            self._mirror.discard(key)
-        if reply.snapshot:
-            fresh = set(reply.added)
-            removed = [key for key in self._mirror if key not in fresh]
-            added = [key for key in fresh if key not in self._mirror]
-            self._mirror = fresh
-        else:
-            added = [key for key in reply.added if key not in self._mirror]
-            removed = [key for key in reply.removed if key in self._mirror]
-            self._mirror.update(added)
-            self._mirror.difference_update(removed)
+            self._mirror.pop(key, None)
+            self._promoted.discard(key)
+        for key in reply.pending:
+            # Being promoted from disk: ask again next step (the engine keeps RETRYing).
+            if key in self._pin_waiters:
+                self._to_pin.append(key)
+                self._promoted.add(key)
+        self._apply_changes(reply.changes, reply.snapshot, emit=True)
         self._seq = reply.seq
-        if self._events is not None:
-            if added:
-                self._events.append(make_event(added, removed=False))
-            if removed:
-                self._events.append(make_event(removed, removed=True))
         if reply.rejected:
             logger.warning("kvstrata manager %s: store rejected %d operations: %s", self.holder, len(reply.rejected), reply.rejected[0])
+
+    def _apply_changes(self, changes: list[tuple[bytes, str, bool]], snapshot: bool, emit: bool) -> None:
+        """Fold the store's tier membership changes into the mirror; emit them as events."""
+        events: dict[tuple[str, bool], list[bytes]] = {}
+        if snapshot:
+            fresh: dict[bytes, set[str]] = {}
+            for key, medium, present in changes:
+                if present:
+                    fresh.setdefault(key, set()).add(medium)
+            for key, media in self._mirror.items():
+                for medium in media - fresh.get(key, set()):
+                    events.setdefault((medium, True), []).append(key)
+            for key, media in fresh.items():
+                for medium in media - self._mirror.get(key, set()):
+                    events.setdefault((medium, False), []).append(key)
+            self._mirror = fresh
+        else:
+            for key, medium, present in changes:
+                media = self._mirror.get(key)
+                if present and (media is None or medium not in media):
+                    self._mirror.setdefault(key, set()).add(medium)
+                    events.setdefault((medium, False), []).append(key)
+                elif not present and media is not None and medium in media:
+                    media.discard(medium)
+                    if not media:
+                        del self._mirror[key]
+                    events.setdefault((medium, True), []).append(key)
+        if emit and self._events is not None:
+            for (medium, removed), keys in events.items():
+                self._events.append(make_event(keys, removed=removed, medium=medium))
 
     def _apply_failure(self, request: StepRequest) -> None:
         self._counters["control_failures"] += 1
@@ -505,7 +536,7 @@ class StrataManager(OffloadingManager):
         # Pins we could not get are misses: the engine recomputes instead of waiting.
         for key in request.pin:
             if self._pin_waiters.pop(key, None) is not None:
-                self._mirror.discard(key)
+                self._mirror.pop(key, None)
 
     def _apply_reset(self, registration: Registration) -> None:
         # Slots of the old epoch mean nothing to the new store. Loads already prepared

@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -33,8 +32,6 @@ from kvstrata.tiers.shm import SharedMemoryFile
 logger = logging.getLogger(__name__)
 
 FILE_PREFIX = "kvstrata"
-# How many index changes a pool remembers for engines catching up incrementally.
-CHANGE_LOG_LENGTH = 65536
 
 
 class SlotError(ValueError):
@@ -59,15 +56,13 @@ class PoolGeometry:
         return segment, index * self.slot_bytes
 
 
-@dataclass(frozen=True)
-class Changes:
-    seq: int
-    added: list[bytes]
-    removed: list[bytes]
-
-
 class SlotPool:
-    """Slots of one layout namespace. Not thread-safe: the node store serialises calls."""
+    """Slots of one layout namespace. Not thread-safe: the node store serialises calls.
+
+    `on_change(key, present)` hears every index change. `on_evict(key, slot)` may claim an
+    evicted slot (write-back): it returns a holder name that keeps the bytes pinned as an
+    orphan until it unpins them, or None to let the slot be freed at once.
+    """
 
     def __init__(self, arena: "Arena", geometry: PoolGeometry, policy: EvictionPolicy):
         self.arena = arena
@@ -82,8 +77,8 @@ class SlotPool:
         self._orphans: set[int] = set()
         self._pins: dict[int, set[str]] = {}
         self._held: dict[str, set[int]] = {}
-        self._seq = 0
-        self._log: deque[tuple[int, bytes, bool]] = deque(maxlen=CHANGE_LOG_LENGTH)
+        self.on_change: Callable[[bytes, bool], None] | None = None
+        self.on_evict: Callable[[bytes, int], str | None] | None = None
         self.counters = {"evicted": 0, "committed": 0, "duplicate_commits": 0, "reserve_shortfall": 0}
 
     @property
@@ -104,29 +99,6 @@ class SlotPool:
     def keys(self) -> list[bytes]:
         return list(self._slot_of)
 
-    @property
-    def seq(self) -> int:
-        return self._seq
-
-    def changes_since(self, seq: int) -> Changes | None:
-        """Index changes after `seq`, or None when the log no longer reaches back that far."""
-        if seq == self._seq:
-            return Changes(self._seq, [], [])
-        if seq > self._seq or (self._log and self._log[0][0] > seq + 1) or (not self._log and seq != self._seq):
-            return None
-        added: dict[bytes, None] = {}
-        removed: dict[bytes, None] = {}
-        for entry_seq, key, was_added in self._log:
-            if entry_seq <= seq:
-                continue
-            if was_added:
-                removed.pop(key, None)
-                added[key] = None
-            else:
-                added.pop(key, None)
-                removed[key] = None
-        return Changes(self._seq, list(added), list(removed))
-
     def view(self, slot: int) -> np.ndarray:
         """The bytes of one slot (a view into shared memory)."""
         if not 0 <= slot < self.num_slots:
@@ -137,12 +109,21 @@ class SlotPool:
     # --- state transitions -----------------------------------------------------------
 
     def reserve(self, holder: str, count: int) -> list[int]:
-        """Up to `count` free slots for `holder`, growing the arena or evicting LRU chunks."""
+        """Up to `count` free slots for `holder`, growing the arena or evicting LRU chunks.
+
+        At most `count` chunks are evicted per call: with write-back an evicted slot
+        frees only once its bytes reached disk, and one reservation must not push the
+        whole arena out.
+        """
         granted: list[int] = []
+        evictions = count
         while len(granted) < count:
-            if not self._free and not self._grow() and not self._evict_one():
-                self.counters["reserve_shortfall"] += count - len(granted)
-                break
+            if not self._free and not self._grow():
+                while evictions and not self._free and self._evict_one():
+                    evictions -= 1
+                if not self._free:
+                    self.counters["reserve_shortfall"] += count - len(granted)
+                    break
             slot = self._free.pop()
             self._reserved[slot] = holder
             granted.append(slot)
@@ -258,8 +239,8 @@ class SlotPool:
         self._held.setdefault(holder, set()).add(slot)
 
     def _record(self, key: bytes, added: bool) -> None:
-        self._seq += 1
-        self._log.append((self._seq, key, added))
+        if self.on_change is not None:
+            self.on_change(key, added)
 
     def _remove_index(self, key: bytes, slot: int) -> None:
         del self._slot_of[key]
@@ -271,9 +252,15 @@ class SlotPool:
         for slot in self.policy.candidates():
             if slot in self._pins:
                 continue
-            self._remove_index(self._key_of[slot], slot)
-            self._free.append(slot)
+            key = self._key_of[slot]
+            self._remove_index(key, slot)
             self.counters["evicted"] += 1
+            keeper = self.on_evict(key, slot) if self.on_evict is not None else None
+            if keeper is None:
+                self._free.append(slot)
+            else:
+                self._orphans.add(slot)
+                self._pin_slot(keeper, slot)
             return True
         return False
 

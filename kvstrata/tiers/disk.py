@@ -26,6 +26,7 @@ No Ray and no vLLM in here; calls may come from several I/O threads.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -150,11 +151,15 @@ class DiskTier:
         self.root = Path(root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".kvstrata-write-probe"
-            probe.write_bytes(b"ok")
-            probe.unlink()
+            self._dir_lock = os.open(self.root / ".kvstrata.lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise DiskTierError(f"tiers.disk.path: {self.root} is not a writable directory ({exc.strerror or exc})") from None
+        try:
+            # One store per directory: two would hand out the same records.
+            fcntl.flock(self._dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._dir_lock)
+            raise DiskTierError(f"tiers.disk.path: {self.root} is in use by another kvstrata store") from None
         make_policy(eviction_policy)
         self.capacity = capacity
         self.direct_io = direct_io
@@ -176,6 +181,10 @@ class DiskTier:
         self._recover()
 
     # --- public ----------------------------------------------------------------------
+
+    def namespaces(self) -> list[str]:
+        with self._lock:
+            return list(self._slabs)
 
     def contains(self, namespace: str, key: bytes) -> bool:
         with self._lock:
@@ -319,10 +328,14 @@ class DiskTier:
             }
 
     def close(self) -> None:
+        """Close the files (their records stay on disk for the next store) and free the directory."""
         with self._lock:
             for slab in self._slabs.values():
                 slab.close()
             self._slabs.clear()
+            if self._dir_lock >= 0:
+                os.close(self._dir_lock)
+                self._dir_lock = -1
 
     # --- internals --------------------------------------------------------------------
 

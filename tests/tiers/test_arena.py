@@ -126,18 +126,33 @@ def test_duplicate_commit_keeps_first_copy_and_frees_second_on_unpin(arena):
     assert second in pool.reserve("c", 4)
 
 
-def test_change_log_reports_adds_and_removals(arena):
+def test_index_changes_are_reported_in_order(arena):
     pool = arena.pool("ns", SLOT)
-    start = pool.seq
+    heard = []
+    pool.on_change = lambda k, present: heard.append((k, present))
     fill(pool, "w", [key(0), key(1)])
     pool.drop_holder("w")
-    middle = pool.seq
     pool.purge()
-    changes = pool.changes_since(start)
-    assert changes.added == [] and set(changes.removed) == {key(0), key(1)}
-    assert set(pool.changes_since(middle).removed) == {key(0), key(1)}
-    assert pool.changes_since(pool.seq).added == []
-    assert pool.changes_since(pool.seq + 5) is None  # a seq from another store epoch
+    assert heard == [(key(0), True), (key(1), True), (key(0), False), (key(1), False)]
+
+
+def test_write_back_hook_keeps_evicted_bytes_until_released(arena):
+    pool = arena.pool("ns", SLOT)
+    written = fill(pool, "w", [key(i) for i in range(4)])
+    pool.drop_holder("w")
+    claimed = []
+
+    def claim(k, slot):
+        claimed.append((k, slot))
+        return "cascade"
+
+    pool.on_evict = claim
+    assert pool.reserve("x", 2) == []  # two chunks leave the index, but their bytes stay
+    assert [k for k, _ in claimed] == [key(0), key(1)]  # and no more than asked for
+    for k, slot in claimed:
+        assert np.array_equal(pool.view(slot), written[k])
+    pool.unpin("cascade", [slot for _, slot in claimed])  # written back: now free
+    assert len(pool.reserve("x", 2)) == 2
 
 
 def test_namespaces_are_separate_pools(arena):

@@ -171,6 +171,12 @@ def test_removed_chunks_stay_removed_after_restart(tmp_path, tiers, direct_io):
     assert again.keys(NS) == [key(2)]
 
 
+def test_one_store_per_directory(tmp_path, tiers):
+    open_tier(tiers, tmp_path)
+    with pytest.raises(DiskTierError, match="in use by another kvstrata store"):
+        DiskTier(tmp_path, capacity=1 << 20)
+
+
 def test_namespaces_never_mix(tmp_path, tiers):
     tier = open_tier(tiers, tmp_path)
     tier.write("model-a", key(1), chunk(1))

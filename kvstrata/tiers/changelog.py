@@ -1,0 +1,66 @@
+"""Which chunks a namespace holds in which tier, as an ordered log engines catch up on.
+
+Engines mirror this (key -> media) map to answer lookups locally; each reply carries
+the changes since the engine's last seen sequence number, or a snapshot when the log
+no longer reaches back that far. Entries are (key, medium, present). The log has its
+own lock and calls nothing, so tiers may record into it from I/O threads while
+holding their own locks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+CPU = "CPU"
+STORAGE = "STORAGE"
+LOG_LENGTH = 65536
+
+Change = tuple[bytes, str, bool]
+
+
+class ChangeLog:
+    def __init__(self, length: int = LOG_LENGTH):
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._log: deque[tuple[int, bytes, str, bool]] = deque(maxlen=length)
+        self._present: dict[tuple[bytes, str], None] = {}
+
+    @property
+    def seq(self) -> int:
+        with self._lock:
+            return self._seq
+
+    def record(self, key: bytes, medium: str, present: bool) -> None:
+        with self._lock:
+            entry = (key, medium)
+            if present == (entry in self._present):
+                return
+            if present:
+                self._present[entry] = None
+            else:
+                del self._present[entry]
+            self._seq += 1
+            self._log.append((self._seq, key, medium, present))
+
+    def snapshot(self) -> tuple[int, list[Change]]:
+        with self._lock:
+            return self._seq, [(key, medium, True) for key, medium in self._present]
+
+    def since(self, seq: int) -> tuple[int, list[Change]] | None:
+        """Final state of every (key, medium) changed after `seq`; None if too old to tell."""
+        with self._lock:
+            if seq == self._seq:
+                return self._seq, []
+            if seq > self._seq or not self._log or self._log[0][0] > seq + 1:
+                return None
+            latest: dict[tuple[bytes, str], bool] = {}
+            for entry_seq, key, medium, present in self._log:
+                if entry_seq > seq:
+                    latest.pop((key, medium), None)
+                    latest[(key, medium)] = present
+            return self._seq, [(key, medium, present) for (key, medium), present in latest.items()]
+
+    def present(self, medium: str) -> list[bytes]:
+        with self._lock:
+            return [key for key, m in self._present if m == medium]
