@@ -44,9 +44,19 @@ def layout(model: str = "tiny", worker_bytes: int = 4096, world_size: int = 1, p
     )
 
 
-def store_config(shm_dir, capacity: int, segment_size: int | None = None, lease_seconds: float = 30.0, reserve_slots: int = 4):
+def store_config(
+    shm_dir,
+    capacity: int,
+    segment_size: int | None = None,
+    lease_seconds: float = 30.0,
+    reserve_slots: int = 4,
+    disk: dict | None = None,
+):
     return {
-        "tiers": {"cpu": {"capacity": capacity, "segment_size": segment_size or max(1, capacity // 4), "shm_dir": str(shm_dir), "prefault": False}},
+        "tiers": {
+            "cpu": {"capacity": capacity, "segment_size": segment_size or max(1, capacity // 4), "shm_dir": str(shm_dir), "prefault": False},
+            **({"disk": disk} if disk else {}),
+        },
         "engine": {"lease_seconds": lease_seconds, "reserve_slots": reserve_slots, "control_timeout_seconds": 5, "refresh_seconds": 0},
     }
 

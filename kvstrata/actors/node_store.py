@@ -218,6 +218,7 @@ class NodeStore:
             disk = self.disk.stats() if self.disk else {"error": self.disk_error} if self.disk_error else None
             return {
                 "node_id": self.node_id,
+                "pid": os.getpid(),
                 "layouts": self.layouts,
                 **self.arena.stats(),
                 "disk": disk,

@@ -147,6 +147,38 @@ def test_cli_rejects_a_bad_config_with_its_name(cluster, tmp_path, capsys):
     from kvstrata.cli import main
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("tiers:\n  disk: {}\n")
+    bad.write_text("tiers:\n  nvme: {}\n")
     assert main(["up", "--config", str(bad)]) == 2
-    assert f"{bad}: tiers.disk: unknown key" in capsys.readouterr().err
+    assert f"{bad}: tiers.nvme: unknown key" in capsys.readouterr().err
+
+
+def test_a_sigkilled_store_comes_back_and_serves_its_disk_chunks(cluster, tmp_path):
+    import os
+    import signal
+
+    disk = {"path": str(tmp_path / "nvme"), "capacity": 1 << 20}
+    cfg = load_config(store_config(tmp_path, capacity=64 * SLOT, disk=disk))
+    handle = ensure_node_store(cfg)
+    lay = layout(worker_bytes=SLOT)
+    manager = StrataManager(RayStoreClient(handle, 30), lay, cfg, "engine")
+    try:
+        assert manager.wait_idle(30)
+        out = manager.prepare_store([key(1)], ReqContext(req_id="w"))
+        manager.complete_store(out.keys_to_store, ReqContext(req_id="w"))
+        step(manager)
+        payload = ray.get(handle.read.remote(lay.namespace, key(1)))
+        wait_for(lambda: ray.get(handle.keys.remote(lay.namespace, "STORAGE")) == [key(1)])
+        old = ray.get(handle.stats.remote())
+        os.kill(old["pid"], signal.SIGKILL)  # a crash: nothing gets to clean up
+        wait_for(lambda: ray.get(handle.ping.remote(), timeout=5) != old["epoch"])
+        result = None
+        for _ in range(50):
+            step(manager)
+            result = manager.lookup(key(1), ReqContext(req_id="r"))
+            if result is LookupResult.HIT:
+                break
+        assert result is LookupResult.HIT
+        assert ray.get(handle.read.remote(lay.namespace, key(1))) == payload
+    finally:
+        manager.shutdown()
+        shutdown_node_store(handle)

@@ -1,0 +1,206 @@
+"""The disk tier behind the manager: cascade, promotion (RETRY then HIT), integrity,
+restart, write-back, and failures that turn into misses. In-process node stores."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.config import load_config
+from kvstrata.connector.compat import LookupResult, Medium, ReqContext, ScheduleEndContext
+from kvstrata.connector.manager import StrataManager
+from kvstrata.tiers.disk import HEADER_BYTES
+from tests.utils import key, layout, store_config
+
+SLOT = 4096
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+
+
+@pytest.fixture
+def env(tmp_path):
+    """Builds stores and managers for a test; closes all of them afterwards."""
+    made = {"stores": [], "managers": []}
+
+    def store(slots=8, reserve_slots=2, disk=None, write_policy="write_through", disk_dir="disk", **disk_extra):
+        disk = disk or {"path": str(tmp_path / disk_dir), "capacity": 64 * (SLOT + HEADER_BYTES), "write_policy": write_policy, **disk_extra}
+        cfg = load_config(store_config(tmp_path, capacity=slots * SLOT, reserve_slots=reserve_slots, disk=disk))
+        node_store = NodeStore(cfg, "node0")
+        made["stores"].append(node_store)
+        return node_store, cfg
+
+    def manager(node_store, cfg, holder="engine", client=None):
+        m = StrataManager(client or LocalStoreClient(node_store), layout(worker_bytes=SLOT), cfg, holder, enable_events=True)
+        made["managers"].append(m)
+        assert m.wait_idle(10)
+        return m
+
+    yield store, manager
+    for m in made["managers"]:
+        m.shutdown()
+    for s in made["stores"]:
+        s.close()
+
+
+def ctx(req="r"):
+    return ReqContext(req_id=req)
+
+
+def step(manager):
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    assert manager.wait_idle(10)
+
+
+def store_chunks(store, manager, keys, seed=0):
+    """Write random bytes for each key through prepare_store/complete_store; returns them."""
+    out = manager.prepare_store(keys, ctx("w"))
+    assert out is not None and out.keys_to_store == list(keys)
+    pool = store.arena.pools[manager.namespace]
+    data = {}
+    for i, (k, slot) in enumerate(zip(keys, out.store_spec.block_ids)):
+        data[k] = np.random.default_rng(seed + i).integers(0, 256, SLOT, dtype=np.uint8)
+        pool.view(int(slot))[:] = data[k]
+    manager.complete_store(keys, ctx("w"))
+    step(manager)
+    return data
+
+
+def push_out_of_arena(store, manager, keys, start=100):
+    """Store other chunks until `keys` are no longer in the arena."""
+    i = start
+    while any(store.arena.pools[manager.namespace].lookup(k) is not None for k in keys):
+        store_chunks(store, manager, [key(i), key(i + 1)], seed=i)
+        step(manager)
+        i += 2
+        assert i < start + 200
+
+
+def test_chunks_evicted_from_the_arena_come_back_from_disk_bit_exact(env):
+    make_store, make_manager = env
+    store, cfg = make_store()
+    writer = make_manager(store, cfg, "writer")
+    data = store_chunks(store, writer, [key(1), key(2)])
+    assert store.wait_io(10)
+    assert sorted(store.keys(writer.namespace, "STORAGE")) == sorted([key(1), key(2)])
+    push_out_of_arena(store, writer, [key(1), key(2)])
+    assert store.wait_io(10)
+
+    reader = make_manager(store, cfg, "reader")
+    assert reader.lookup(key(1), ctx()) is RETRY  # on disk only: promotion starts
+    for _ in range(20):
+        step(reader)
+        store.wait_io(10)
+        if reader.lookup(key(1), ctx()) is HIT:
+            break
+    assert reader.lookup(key(1), ctx()) is HIT
+    spec = reader.prepare_load([key(1)], ctx())
+    assert np.array_equal(store.arena.pools[reader.namespace].view(int(spec.block_ids[0])), data[key(1)])
+    assert store.stats()["promotions"] >= 1
+    assert reader.counters()["chunks_promoted"] == 1
+    assert reader.lookup(key(999), ctx()) is MISS
+
+
+def test_disk_events_carry_the_storage_medium_and_group(env):
+    make_store, make_manager = env
+    store, cfg = make_store()
+    manager = make_manager(store, cfg)
+    store_chunks(store, manager, [key(1, group=2)])
+    assert store.wait_io(10)
+    step(manager)
+    events = list(manager.take_events())
+    storage = [e for e in events if e.medium == Medium.STORAGE and not e.removed]
+    assert storage and storage[0].keys == [key(1, group=2)]
+    assert any(e.medium == Medium.CPU and not e.removed and key(1, group=2) in e.keys for e in events)
+
+
+def test_a_corrupt_disk_chunk_is_a_miss_and_counted(env, tmp_path):
+    make_store, make_manager = env
+    store, cfg = make_store()
+    writer = make_manager(store, cfg, "writer")
+    store_chunks(store, writer, [key(1)])
+    assert store.wait_io(10)
+    push_out_of_arena(store, writer, [key(1)])
+    assert store.wait_io(10)
+    (slab,) = (tmp_path / "disk").glob("*.slab")
+    raw = bytearray(slab.read_bytes())
+    raw[HEADER_BYTES + 10] ^= 0xFF  # first record's payload: key(1) was written first
+    slab.write_bytes(bytes(raw))
+
+    reader = make_manager(store, cfg, "reader")
+    results = []
+    for _ in range(10):
+        results.append(reader.lookup(key(1), ctx()))
+        if results[-1] is not RETRY:
+            break
+        step(reader)
+        store.wait_io(10)
+    assert results[0] is RETRY and results[-1] is MISS
+    assert store.stats()["disk"]["corrupt_chunks"] == 1
+    assert store.stats()["promotion_failures"] == 1
+
+
+def test_a_new_store_serves_what_the_previous_one_left_on_disk(env):
+    make_store, make_manager = env
+    store, cfg = make_store()
+    client = LocalStoreClient(store)
+    manager = make_manager(store, cfg, client=client)
+    data = store_chunks(store, manager, [key(1), key(2)])
+    assert store.wait_io(10)
+    store.close()  # the store went away; its arena with it, its disk records did not
+    client.store, _ = make_store()
+    step(manager)  # new epoch: the manager re-registers and learns what is on disk
+    for k in (key(1), key(2)):
+        for _ in range(20):
+            if manager.lookup(k, ctx()) is HIT:
+                break
+            step(manager)
+            client.store.wait_io(10)
+        spec = manager.prepare_load([k], ctx())
+        assert np.array_equal(client.store.arena.pools[manager.namespace].view(int(spec.block_ids[0])), data[k])
+
+
+def test_write_back_writes_only_what_the_arena_evicts(env):
+    make_store, make_manager = env
+    store, cfg = make_store(write_policy="write_back")
+    manager = make_manager(store, cfg)
+    store_chunks(store, manager, [key(1)])
+    assert store.wait_io(10)
+    assert store.keys(manager.namespace, "STORAGE") == []
+    push_out_of_arena(store, manager, [key(1)])
+    assert store.wait_io(10)
+    assert key(1) in store.keys(manager.namespace, "STORAGE")
+
+
+def test_an_unusable_disk_path_leaves_the_arena_serving(env, tmp_path):
+    make_store, make_manager = env
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    store, cfg = make_store(disk={"path": str(blocker / "disk"), "capacity": 1 << 20})
+    assert "not a writable directory" in store.stats()["disk"]["error"]
+    manager = make_manager(store, cfg)
+    store_chunks(store, manager, [key(1)])
+    assert manager.lookup(key(1), ctx()) is RETRY
+    step(manager)
+    assert manager.lookup(key(1), ctx()) is HIT
+    assert store.stats()["disk_writes_queued"] == 0
+
+
+def test_a_full_write_queue_drops_disk_writes_without_blocking(env):
+    make_store, make_manager = env
+    store, cfg = make_store(queue_depth=1, slots=16, reserve_slots=8)
+    release = threading.Event()
+    real_write = store.disk.write
+
+    def slow_write(*args):
+        assert release.wait(30)
+        return real_write(*args)
+
+    store.disk.write = slow_write
+    manager = make_manager(store, cfg)
+    store_chunks(store, manager, [key(i) for i in range(4)])  # commits return at once
+    assert store.stats()["disk_writes_dropped"] == 3
+    release.set()
+    assert store.wait_io(10)
+    assert len(store.keys(manager.namespace, "STORAGE")) == 1
