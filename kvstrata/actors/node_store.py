@@ -36,6 +36,10 @@ from kvstrata.tiers.disk import DiskTier, DiskTierError
 
 logger = logging.getLogger(__name__)
 
+# An engine's stock of free reserved slots is capped at this share of a pool: a larger
+# stock evicts chunks only to keep slots empty.
+MAX_RESERVED_SHARE = 4
+
 # Internal pin holders: they hold no lease and never expire.
 CASCADE = "kvstrata:cascade"
 PROMOTE = "kvstrata:promote"
@@ -156,7 +160,10 @@ class NodeStore:
             for key in request.pin:
                 if key not in pinned:
                     (pending if self._promote(namespace, pool, key) else missing).append(key)
-            reserved = pool.reserve(request.holder, request.reserve) if request.reserve else []
+            reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
+            # The engine keeps its stock at or under the cap; slots it is still writing
+            # are not counted, so a busy engine's refill is never refused.
+            reserved = pool.reserve(request.holder, min(request.reserve, reserve_cap)) if request.reserve else []
             if rejected:
                 logger.warning(
                     "kvstrata node store: rejected %d commits of %s: %s", len(rejected), request.holder, rejected[0]
@@ -172,6 +179,7 @@ class NodeStore:
                 missing=missing,
                 pending=pending,
                 reserved=reserved,
+                reserve_cap=reserve_cap,
                 changes=changes,
                 snapshot=snapshot,
                 rejected=rejected,

@@ -58,6 +58,8 @@ class StepReply:
     missing: list[bytes] = field(default_factory=list)
     pending: list[bytes] = field(default_factory=list)
     reserved: list[int] = field(default_factory=list)
+    # Most unwritten slots this engine may hold reserved (0: not said).
+    reserve_cap: int = 0
     # (key, medium, present) per tier membership change since the engine's `known_seq`.
     changes: list[tuple[bytes, str, bool]] = field(default_factory=list)
     # True: `changes` lists everything present and replaces the engine's mirror.

@@ -118,6 +118,7 @@ class StrataManager(OffloadingManager):
         self._stock: deque[int] = deque()
         self._reserve_target = config.engine.reserve_slots
         self._reserve_outstanding = 0
+        self._reserve_cap = MAX_RESERVE_TARGET  # lowered by the store's answer
         self._req_keys: dict[str, set[bytes]] = {}
         self._out_commit: list[tuple[int, bytes]] = []
         self._out_unpin: list[int] = []
@@ -294,7 +295,7 @@ class StrataManager(OffloadingManager):
             dropped, self._store_dropped = self._store_dropped, 0
             if dropped:
                 # The stock ran dry this step: keep enough for a step like this one.
-                self._reserve_target = min(MAX_RESERVE_TARGET, max(2 * self._reserve_target, demand))
+                self._reserve_target = min(self._reserve_cap, max(2 * self._reserve_target, demand))
             self._pass_open = False
             request = self._take_request()
             # Even with nothing to say, ask now and then: the reply refreshes the index
@@ -465,6 +466,9 @@ class StrataManager(OffloadingManager):
             return
         self._reserve_outstanding -= request.reserve
         self._stock.extend(reply.reserved)
+        if reply.reserve_cap:
+            self._reserve_target = min(self._reserve_target, reply.reserve_cap)
+            self._reserve_cap = reply.reserve_cap
         for key, slot in reply.pinned.items():
             if key in self._promoted:
                 self._promoted.discard(key)

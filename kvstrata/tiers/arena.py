@@ -129,6 +129,11 @@ class SlotPool:
             granted.append(slot)
         return granted
 
+    @property
+    def max_slots(self) -> int:
+        """Slots this pool could have if it had the whole arena budget."""
+        return max(1, self.arena.capacity // self.geometry.slot_bytes)
+
     def release(self, holder: str, slots: Iterable[int]) -> None:
         """Return reserved slots that will not be written (failed or unused stores)."""
         for slot in slots:

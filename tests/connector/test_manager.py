@@ -112,18 +112,27 @@ def test_prepare_store_filters_keys_already_stored_or_in_flight(store_and_config
 
 def test_prepare_store_returns_none_when_nothing_can_be_stored(new_store):
     store, cfg = new_store(slots=4, reserve_slots=4)
-    hog = make_manager(store, cfg, holder="hog")  # reserves all four slots
+    hog = make_manager(store, cfg, holder="hog")
+    # The hog stores three chunks and keeps them pinned for a running request; with
+    # its one reserved slot (an engine may reserve a quarter of the pool) that is all four.
+    for i in range(3):
+        out = hog.prepare_store([key(10 + i)], ctx("h"))
+        hog.complete_store(out.keys_to_store, ctx("h"))
+        assert hog.lookup(key(10 + i), ctx("reader")) is HIT
+        step(hog)
     manager = make_manager(store, cfg, holder="engine-b")
     assert manager.prepare_store([key(1)], ctx()) is None
     assert manager.counters()["stores_dropped_no_slot"] == 1
-    # The hog stores and keeps pinning: still nothing evictable for engine-b.
-    hog_out = hog.prepare_store([key(10 + i) for i in range(4)], ctx("h"))
-    hog.complete_store(hog_out.keys_to_store, ctx("h"))
-    for i in range(4):
-        assert hog.lookup(key(10 + i), ctx("reader")) is HIT
-    step(hog)
     step(manager)
     assert manager.prepare_store([key(1)], ctx()) is None
+
+
+def test_one_engine_never_reserves_more_than_a_quarter_of_the_pool(new_store):
+    store, cfg = new_store(slots=16, reserve_slots=64)
+    manager = make_manager(store, cfg)
+    assert len(manager._stock) == 4
+    store_keys(manager, [key(i) for i in range(4)])
+    assert store.arena.pools[manager.namespace].stats()["resident"] == 4
 
 
 def test_partial_stock_stores_the_head_of_the_offer(new_store):
@@ -132,7 +141,8 @@ def test_partial_stock_stores_the_head_of_the_offer(new_store):
     out = manager.prepare_store([key(i) for i in range(5)], ctx())
     assert out.keys_to_store == [key(0), key(1)]
     assert manager.counters()["stores_dropped_no_slot"] == 3
-    step(manager)  # the stock grows to cover the demand it saw
+    manager.complete_store(out.keys_to_store, ctx())
+    step(manager)  # the stock grows to cover the demand it saw (up to a quarter of the pool)
     assert len(manager.prepare_store([key(i) for i in range(2, 5)], ctx()).keys_to_store) == 3
 
 
@@ -248,8 +258,13 @@ def test_engines_with_different_layouts_never_share_chunks(store_and_config):
 
 
 def test_dead_engine_pins_expire_with_its_lease(new_store, clock):
-    store, cfg = new_store(slots=2, reserve_slots=2, lease_seconds=10)
+    store, cfg = new_store(slots=4, reserve_slots=1, lease_seconds=10)
     dead = make_manager(store, cfg, holder="dead")
+    for i in range(3):  # three pinned chunks and one reserved slot: the whole pool
+        out = dead.prepare_store([key(10 + i)], ctx("d"))
+        dead.complete_store(out.keys_to_store, ctx("d"))
+        assert dead.lookup(key(10 + i), ctx("running")) is HIT
+        step(dead)
     dead._channel.close()  # the engine died: no more renewals, no clean release
     alive = make_manager(store, cfg, holder="alive")
     assert alive.prepare_store([key(1)], ctx()) is None

@@ -1,0 +1,97 @@
+"""End to end through the disk tier: an arena far too small for the working set, so
+round 2 is served from local disk (promoted into the arena), bit-exact; corrupt disk
+records become misses and the engine recomputes the same output."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import ray
+
+from kvstrata.actors.client import StoreUnavailable, get_node_store, shutdown_node_store
+from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
+from kvstrata.tiers.disk import HEADER_BYTES
+from tests.utils import local_ray
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32
+SLOT = 64 * 1024  # the tiny model's KV per 32-token block
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_ray("kvstrata-e2e-disk"):
+        try:
+            yield
+        finally:
+            with contextlib.suppress(StoreUnavailable):
+                shutdown_node_store(get_node_store())
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("nvme")
+
+
+@pytest.fixture(scope="module")
+def engine(cluster, tmp_path_factory, disk_dir):
+    model = build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny", seed=5)
+    config = {
+        "tiers": {
+            "cpu": {"capacity": 48 * SLOT, "segment_size": 8 * SLOT},
+            "disk": {"path": str(disk_dir), "capacity": 200 * (SLOT + HEADER_BYTES)},
+        },
+        "engine": {"reserve_slots": 12},
+    }
+    llm = make_llm(model, config)
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+
+
+# Six prompts of 12 chunks each: 72 chunks for a 48-slot arena.
+PROMPTS = [f"Conversation {i}: " + f"topic {i} keeps coming back in this long shared prefix. " * 7 for i in range(6)]
+
+
+def expected_hit(result) -> int:
+    return (result["prompt_tokens"] - 1) // BLOCK * BLOCK
+
+
+def test_round_two_comes_back_from_disk_bit_exact(engine):
+    round1 = run_round(engine, PROMPTS)
+    store = get_node_store()
+    assert ray.get(store.wait_io.remote(30))
+    before = ray.get(store.stats.remote())
+    round2 = run_round(engine, PROMPTS)
+    after = ray.get(store.stats.remote())
+    for first, second in zip(round1, round2):
+        assert second["cached_tokens"] == expected_hit(second)
+        assert second["token_ids"] == first["token_ids"]
+        assert second["logprobs"] == first["logprobs"]
+    # The working set never fit the arena: the first prompts' hits came from disk.
+    assert after["promotions"] - before["promotions"] >= 12
+    assert after["disk"]["corrupt_chunks"] == 0
+
+
+def test_corrupt_disk_chunks_are_misses_and_the_output_stays_right(engine, disk_dir):
+    reference = run_round(engine, PROMPTS[:1])
+    store = get_node_store()
+    assert ray.get(store.wait_io.remote(30))
+    # Push prompt 0 out of the arena, then flip one byte in every record on disk.
+    run_round(engine, PROMPTS[1:])
+    assert ray.get(store.wait_io.remote(30))
+    for slab in disk_dir.glob("*.slab"):
+        raw = bytearray(slab.read_bytes())
+        record = HEADER_BYTES + SLOT
+        for offset in range(HEADER_BYTES + 7, len(raw), record):
+            raw[offset] ^= 0x5A
+        slab.write_bytes(bytes(raw))
+    result = run_round(engine, PROMPTS[:1])
+    stats = ray.get(store.stats.remote())
+    assert stats["disk"]["corrupt_chunks"] >= 1
+    assert result[0]["cached_tokens"] < expected_hit(result[0])
+    assert result[0]["token_ids"] == reference[0]["token_ids"]
+    assert result[0]["logprobs"] == reference[0]["logprobs"]
