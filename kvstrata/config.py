@@ -86,7 +86,7 @@ class DiskTierConfig(_Strict):
         default="write_through",
         description="write_through: every committed chunk goes to disk; write_back: when evicted from the arena",
     )
-    io_threads: int = Field(default=2, ge=1, le=64)
+    io_threads: int = Field(default=4, ge=1, le=64, description="disk reads and writes in flight at once")
     direct_io: bool = Field(default=True, description="O_DIRECT where the filesystem supports it")
     queue_depth: int = Field(default=256, ge=1, description="disk writes waiting at most; more are dropped and counted")
 

@@ -67,3 +67,16 @@ def test_top_level_must_be_a_mapping(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping at the top level"):
         load_config(path)
+
+
+def test_shipped_single_node_config_has_a_disk_tier():
+    cfg = load_config(REPO / "configs" / "single-node.yaml")
+    assert cfg.tiers.disk.capacity == 1024**4
+    assert cfg.tiers.disk.write_policy == "write_through"
+
+
+def test_disk_write_policy_is_checked():
+    with pytest.raises(ConfigError, match=r"tiers\.disk\.write_policy"):
+        load_config({"tiers": {"disk": {"path": "/x", "capacity": "1GiB", "write_policy": "sometimes"}}})
+    with pytest.raises(ConfigError, match=r"tiers\.disk\.path: Field required"):
+        load_config({"tiers": {"disk": {"capacity": "1GiB"}}})

@@ -97,6 +97,25 @@ def _aligned_buffer(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size)
 
 
+_scratch = threading.local()
+
+
+def _header_buffer() -> mmap.mmap:
+    """One aligned header buffer per I/O thread, reused: no mapping per chunk."""
+    buffer = getattr(_scratch, "header", None)
+    if buffer is None:
+        buffer = _scratch.header = _aligned_buffer(HEADER_BYTES)
+    return buffer
+
+
+def _bounce_buffer(size: int) -> np.ndarray:
+    """An aligned staging buffer per I/O thread for callers whose memory is not aligned."""
+    buffer = getattr(_scratch, "bounce", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _scratch.bounce = _aligned_buffer(size)
+    return np.frombuffer(buffer, dtype=np.uint8, count=size)
+
+
 def _is_aligned(array: np.ndarray) -> bool:
     return array.ctypes.data % SLOT_ALIGNMENT == 0 and array.nbytes % SLOT_ALIGNMENT == 0
 
@@ -212,14 +231,14 @@ class DiskTier:
                 self.counters["dropped_not_admitting"] += 1
                 return False
             slab.busy[record] = 1
-        header = _aligned_buffer(HEADER_BYTES)
+        header = _header_buffer()
         RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(memoryview(header))
         body = payload
         pad = slab.record_bytes - HEADER_BYTES - payload.nbytes
         if slab.direct and (not _is_aligned(payload) or pad):
-            bounce = np.frombuffer(_aligned_buffer(slab.record_bytes - HEADER_BYTES), dtype=np.uint8)
-            bounce[: payload.nbytes] = payload
-            body = bounce
+            body = _bounce_buffer(slab.record_bytes - HEADER_BYTES)
+            body[: payload.nbytes] = payload
+            body[payload.nbytes :] = 0
         try:
             written = os.pwritev(slab.fd, [header, memoryview(body)], slab.offset(record))
             if written != HEADER_BYTES + body.nbytes:
@@ -258,11 +277,11 @@ class DiskTier:
                 raise ValueError(f"buffer of {out.nbytes} bytes cannot hold chunk {key_name(key)} ({slab.payload_bytes} bytes)")
             slab.busy[record] = slab.busy.get(record, 0) + 1
             slab.policy.touch(record)
-        header = _aligned_buffer(HEADER_BYTES)
+        header = _header_buffer()
         # O_DIRECT reads whole aligned records; buffered I/O reads just the payload.
         read_bytes = slab.record_bytes - HEADER_BYTES if slab.direct else slab.payload_bytes
         bounced = out.nbytes < read_bytes or (slab.direct and not _is_aligned(out))
-        body = np.frombuffer(_aligned_buffer(read_bytes), dtype=np.uint8) if bounced else out[:read_bytes]
+        body = _bounce_buffer(read_bytes) if bounced else out[:read_bytes]
         try:
             got = os.preadv(slab.fd, [header, memoryview(body)], slab.offset(record))
             error = None if got == HEADER_BYTES + read_bytes else f"short read ({got} bytes)"

@@ -1,0 +1,183 @@
+"""Throughput of a kvstrata tier through the node store, beside references measured in the
+same run on the same directory.
+
+    python benchmarks/tier_throughput.py --tier disk [--path /mnt/nvme/bench] [--total-mib 512]
+
+disk: chunks committed to the arena are cascaded to disk (write-through, `io_threads`
+I/O threads) and promoted back (read, verify, commit into the arena) through the node
+store's public `step` call; the clock stops when the store reports no I/O in flight.
+References, with the same thread count and chunk size:
+  (a) raw O_DIRECT: each thread pwrite()s / pread()s aligned chunk-size buffers
+      sequentially into its own preallocated file (no checksums, no metadata);
+  (b) vLLM's own `fs` secondary tier I/O (`vllm.v1.kv_offload.tiering.fs.io`
+      batch_store_block / batch_load_block: one file per chunk, O_DIRECT), if vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvstrata.actors.node_store import NodeStore
+from kvstrata.actors.protocol import StepRequest
+from kvstrata.keys import make_key
+from kvstrata.tiers.disk import HEADER_BYTES
+
+SIZES_KIB = [256, 1024, 2048, 8192, 32768]
+
+
+def split(items: list, parts: int) -> list[list]:
+    return [items[i::parts] for i in range(parts)]
+
+
+def raw_o_direct(directory: str, chunk: int, count: int, threads: int) -> tuple[float, float]:
+    buffer = mmap.mmap(-1, chunk)
+    buffer.write(os.urandom(min(chunk, 1 << 20)) * max(1, chunk // (1 << 20)))
+    paths = [os.path.join(directory, f"raw-{t}.bin") for t in range(threads)]
+    per_thread = split(list(range(count)), threads)
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+
+    def write(t: int) -> None:
+        fd = os.open(paths[t], flags, 0o600)
+        try:
+            for i, _ in enumerate(per_thread[t]):
+                os.pwrite(fd, buffer, i * chunk)
+        finally:
+            os.close(fd)
+
+    def read(t: int) -> None:
+        fd = os.open(paths[t], flags, 0o600)
+        out = mmap.mmap(-1, chunk)
+        try:
+            for i, _ in enumerate(per_thread[t]):
+                os.preadv(fd, [out], i * chunk)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(write, range(threads)))
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        list(pool.map(read, range(threads)))
+        read_s = time.perf_counter() - start
+    for path in paths:
+        os.unlink(path)
+    return write_s, read_s
+
+
+def vllm_fs(directory: str, chunk: int, count: int, threads: int) -> tuple[float, float] | None:
+    try:
+        from vllm.v1.kv_offload.tiering.fs.io import batch_load_block, batch_store_block, probe_o_direct
+    except ImportError:
+        return None
+    direct = probe_o_direct(directory)
+    buffer = mmap.mmap(-1, chunk * count)
+    view = memoryview(buffer)
+    paths = [os.path.join(directory, "vllm", f"{i % 256:02x}", f"chunk-{i}") for i in range(count)]
+    groups = split(list(range(count)), threads)
+
+    def store(indices: list[int]) -> None:
+        batch_store_block([paths[i] for i in indices], view, [i * chunk for i in indices], chunk, direct)
+
+    def load(indices: list[int]) -> None:
+        batch_load_block([paths[i] for i in indices], view, [i * chunk for i in indices], chunk, direct)
+
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(store, groups))
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        list(pool.map(load, groups))
+        read_s = time.perf_counter() - start
+    shutil.rmtree(os.path.join(directory, "vllm"))
+    return write_s, read_s
+
+
+def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float, bool]:
+    disk_dir = os.path.join(directory, "kvstrata")
+    config = {
+        "tiers": {
+            "cpu": {"capacity": chunk * (count + 4), "segment_size": 256 << 20, "shm_dir": shm_dir},
+            "disk": {
+                "path": disk_dir,
+                "capacity": (HEADER_BYTES + chunk) * (count + 4),
+                "io_threads": threads,
+                "queue_depth": count,
+            },
+        }
+    }
+    store = NodeStore(config, "bench-node")
+    try:
+        namespace = "bench"
+        store.register("bench", namespace, chunk)
+        pool = store.arena.pools[namespace]
+        slots = pool.reserve("bench", count)
+        rng = np.random.default_rng(0)
+        for slot in slots:
+            pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
+        keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(count)]
+        start = time.perf_counter()
+        store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys))))
+        assert store.wait_io(600)
+        write_s = time.perf_counter() - start
+        pool.drop_holder("bench")
+        pool.purge()  # the arena forgets them; the disk keeps them
+        start = time.perf_counter()
+        reply = store.step(StepRequest("bench", namespace, pin=keys))
+        assert len(reply.pending) == count, "every chunk should be promoted from disk"
+        assert store.wait_io(600)
+        read_s = time.perf_counter() - start
+        stats = store.stats()
+        assert stats["promotions"] == count and stats["disk"]["corrupt_chunks"] == 0
+        direct = all(stats["disk"]["direct_io"].values())
+    finally:
+        store.close()
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    return write_s, read_s, direct
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tier", choices=["disk"], default="disk")
+    parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a temp dir in /var/tmp)")
+    parser.add_argument("--total-mib", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    directory = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=args.path or "/var/tmp")
+    shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
+    try:
+        print(f"disk tier in {directory}, {args.total_mib} MiB per measurement, {args.threads} I/O threads")
+        print(
+            f"{'chunk':>9} {'write GB/s':>11} {'read GB/s':>10} {'raw w':>7} {'raw r':>7} {'vllm w':>7} {'vllm r':>7}"
+            f" {'w/raw':>6} {'r/raw':>6} {'w/vllm':>7} {'r/vllm':>7}"
+        )
+        for size_kib in SIZES_KIB:
+            chunk = size_kib * 1024
+            count = max(args.threads, args.total_mib * 1024 * 1024 // chunk)
+            total = chunk * count
+            kw, kr, direct = kvstrata_disk(directory, shm_dir, chunk, count, args.threads)
+            rw, rr = raw_o_direct(directory, chunk, count, args.threads)
+            ref = vllm_fs(directory, chunk, count, args.threads)
+            gb = lambda s: total / s / 1e9  # noqa: E731
+            vw, vr = (gb(ref[0]), gb(ref[1])) if ref else (float("nan"), float("nan"))
+            print(
+                f"{size_kib:>6}KiB {gb(kw):>11.2f} {gb(kr):>10.2f} {gb(rw):>7.2f} {gb(rr):>7.2f} {vw:>7.2f} {vr:>7.2f}"
+                f" {rw / kw:>6.2f} {rr / kr:>6.2f} {gb(kw) / vw:>7.2f} {gb(kr) / vr:>7.2f}"
+                + ("" if direct else "  (buffered: no O_DIRECT here)")
+            )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
