@@ -86,6 +86,13 @@ def step(manager):
     assert manager.wait_idle(30)
 
 
+def store_one(manager, k, req="w"):
+    out = manager.prepare_store([k], ReqContext(req_id=req))
+    assert out is not None and out.keys_to_store == [k]
+    manager.complete_store(out.keys_to_store, ReqContext(req_id=req))
+    step(manager)
+
+
 def test_two_engines_share_chunks_through_the_actor(store):
     handle, cfg = store
     lay = layout(worker_bytes=SLOT)
@@ -112,9 +119,7 @@ def test_ray_restarts_a_dead_store_and_engines_recover(store):
     manager = StrataManager(RayStoreClient(handle, 30), lay, cfg, "engine")
     try:
         assert manager.wait_idle(30)
-        out = manager.prepare_store([key(1)], ReqContext(req_id="w"))
-        manager.complete_store(out.keys_to_store, ReqContext(req_id="w"))
-        step(manager)
+        store_one(manager, key(1))
         old_epoch = ray.get(handle.ping.remote())
         ray.kill(handle, no_restart=False)
         wait_for(lambda: ray.get(handle.ping.remote(), timeout=5) != old_epoch)
@@ -123,10 +128,7 @@ def test_ray_restarts_a_dead_store_and_engines_recover(store):
             step(manager)
         assert manager.lookup(key(1), ReqContext(req_id="r")) is LookupResult.MISS
         # ... then stores and hits again against the new store.
-        out = manager.prepare_store([key(2)], ReqContext(req_id="w2"))
-        assert out is not None and out.keys_to_store == [key(2)]
-        manager.complete_store(out.keys_to_store, ReqContext(req_id="w2"))
-        step(manager)
+        store_one(manager, key(2), req="w2")
         assert ray.get(handle.keys.remote(lay.namespace)) == [key(2)]
     finally:
         manager.shutdown()
@@ -163,9 +165,7 @@ def test_a_sigkilled_store_comes_back_and_serves_its_disk_chunks(cluster, tmp_pa
     manager = StrataManager(RayStoreClient(handle, 30), lay, cfg, "engine")
     try:
         assert manager.wait_idle(30)
-        out = manager.prepare_store([key(1)], ReqContext(req_id="w"))
-        manager.complete_store(out.keys_to_store, ReqContext(req_id="w"))
-        step(manager)
+        store_one(manager, key(1))
         payload = ray.get(handle.read.remote(lay.namespace, key(1)))
         wait_for(lambda: ray.get(handle.keys.remote(lay.namespace, "STORAGE")) == [key(1)])
         old = ray.get(handle.stats.remote())

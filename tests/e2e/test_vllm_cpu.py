@@ -7,30 +7,18 @@ the arena like they would in production.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import numpy as np
 import pytest
 import ray
 
-from kvstrata.actors.client import StoreUnavailable, get_node_store, shutdown_node_store
+from kvstrata.actors.client import get_node_store
 from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
-from tests.utils import local_ray
 
 pytestmark = pytest.mark.slow
 
 BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_ray("kvstrata-e2e"):
-        try:
-            yield
-        finally:
-            with contextlib.suppress(StoreUnavailable):
-                shutdown_node_store(get_node_store())
 
 
 @pytest.fixture(scope="module")

@@ -4,30 +4,17 @@ records become misses and the engine recomputes the same output."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import ray
 
-from kvstrata.actors.client import StoreUnavailable, get_node_store, shutdown_node_store
+from kvstrata.actors.client import get_node_store
 from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
 from kvstrata.tiers.disk import HEADER_BYTES
-from tests.utils import local_ray
 
 pytestmark = pytest.mark.slow
 
 BLOCK = 32
 SLOT = 64 * 1024  # the tiny model's KV per 32-token block
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_ray("kvstrata-e2e-disk"):
-        try:
-            yield
-        finally:
-            with contextlib.suppress(StoreUnavailable):
-                shutdown_node_store(get_node_store())
 
 
 @pytest.fixture(scope="module")
