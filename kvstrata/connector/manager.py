@@ -41,6 +41,7 @@ from kvstrata.connector.compat import (
     make_event,
     override,
 )
+from kvstrata.connector.control import ControlChannel
 from kvstrata.keys import Layout, key_name
 from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.changelog import CPU
@@ -143,8 +144,6 @@ class StrataManager(OffloadingManager):
             len(self._mirror),
             registration.node_id,
         )
-        from kvstrata.connector.control import ControlChannel
-
         self._channel = ControlChannel(
             send=client.step,
             on_reply=self._receive_reply,
