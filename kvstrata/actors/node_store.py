@@ -29,7 +29,6 @@ from typing import Any
 from kvstrata.actors.options import node_tag
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.config import KvstrataConfig, load_config
-from kvstrata.keys import key_name
 from kvstrata.tiers.arena import Arena, SlotError, SlotPool
 from kvstrata.tiers.changelog import CPU, STORAGE, ChangeLog
 from kvstrata.tiers.disk import DiskTier, DiskTierError
@@ -145,21 +144,26 @@ class NodeStore:
             rejected: list[str] = []
             if request.purge:
                 self._purge(namespace)
+            cascade: list[tuple[bytes, int]] = []
             for slot, key in request.commit:
                 try:
                     if pool.commit(request.holder, slot, key) and self._write_through:
-                        self._queue_write(namespace, pool, key, pool.pin(CASCADE, [key])[key])
+                        cascade.append((key, pool.pin(CASCADE, [key])[key]))
                 except SlotError as exc:
                     rejected.append(str(exc))
+            if cascade:
+                self._queue_writes(namespace, pool, cascade)
             pool.release(request.holder, request.release)
             pool.unpin(request.holder, request.unpin)
             pool.touch(request.touch)
             pinned = pool.pin(request.holder, request.pin)
             missing: list[bytes] = []
             pending: list[bytes] = []
+            promotions: list[tuple[bytes, int]] = []
             for key in request.pin:
                 if key not in pinned:
-                    (pending if self._promote(namespace, pool, key) else missing).append(key)
+                    (pending if self._promote(namespace, pool, key, promotions) else missing).append(key)
+            self._submit_batches(self._promote_job, namespace, pool, promotions)
             reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
             # The engine keeps its stock at or under the cap; slots it is still writing
             # are not counted, so a busy engine's refill is never refused.
@@ -287,31 +291,44 @@ class NodeStore:
         """Eviction hook: keep the evicted bytes pinned until they are on disk."""
         if self.disk.contains(namespace, key):
             return None
-        return CASCADE if self._queue_write(namespace, pool, key, slot) else None
+        # If accepted, the pool pins the slot for CASCADE as soon as we return; the write
+        # job's unpin waits for the store lock this call runs under, so it comes after.
+        return CASCADE if self._queue_writes(namespace, pool, [(key, slot)]) else None
 
-    def _queue_write(self, namespace: str, pool: SlotPool, key: bytes, slot: int) -> bool:
-        """Queue a disk write of a slot the cascade pins; False (and the pin dropped) if full."""
-        if self._writes_pending >= self.config.tiers.disk.queue_depth or self.disk.contains(namespace, key):
-            if self._writes_pending >= self.config.tiers.disk.queue_depth:
+    def _queue_writes(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> int:
+        """Queue disk writes of slots the cascade pins, in up to `io_threads` batches.
+
+        Items beyond the queue depth (or already on disk) are dropped and unpinned; the
+        rest are written by batch jobs that unpin them when done. Returns how many were queued.
+        """
+        disk_config = self.config.tiers.disk
+        accepted: list[tuple[bytes, int]] = []
+        for key, slot in items:
+            if self.disk.contains(namespace, key):
+                pool.unpin(CASCADE, [slot])
+            elif self._writes_pending + len(accepted) >= disk_config.queue_depth:
                 self.counters["disk_writes_dropped"] += 1
-            pool.unpin(CASCADE, [slot])
-            return False
-        self._writes_pending += 1
-        self.counters["disk_writes_queued"] += 1
-        self._io.submit(self._write_job, namespace, pool, key, slot)
-        return True
+                pool.unpin(CASCADE, [slot])
+            else:
+                accepted.append((key, slot))
+        self._writes_pending += len(accepted)
+        self.counters["disk_writes_queued"] += len(accepted)
+        # Consecutive commits tend to get neighbouring disk records: one pwritev per run.
+        self._submit_batches(self._write_job, namespace, pool, accepted)
+        return len(accepted)
 
-    def _write_job(self, namespace: str, pool: SlotPool, key: bytes, slot: int) -> None:
+    def _write_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         try:
-            self.disk.write(namespace, key, pool.view(slot))  # the slot is pinned: bytes are stable
+            # The slots are pinned by the cascade: their bytes are stable while we write.
+            self.disk.write_many(namespace, [(key, pool.view(slot)) for key, slot in items])
         except Exception:  # noqa: BLE001 - a failed cascade is a lost copy, never a dead store
-            logger.exception("kvstrata node store: disk write of %s failed", key_name(key))
+            logger.exception("kvstrata node store: disk write of %d chunks failed", len(items))
         finally:
             with self._lock:
-                self._writes_pending -= 1
-                pool.unpin(CASCADE, [slot])
+                self._writes_pending -= len(items)
+                pool.unpin(CASCADE, [slot for _, slot in items])
 
-    def _promote(self, namespace: str, pool: SlotPool, key: bytes) -> bool:
+    def _promote(self, namespace: str, pool: SlotPool, key: bytes, batch: list[tuple[bytes, int]]) -> bool:
         """Start (or join) bringing a disk chunk into the arena; False if it cannot be had."""
         if (namespace, key) in self._promoting:
             return True
@@ -321,24 +338,32 @@ class NodeStore:
         if not slots:
             return False  # every slot is pinned: a miss now beats an engine waiting on us
         self._promoting.add((namespace, key))
-        self._io.submit(self._promote_job, namespace, pool, key, slots[0])
+        batch.append((key, slots[0]))
         return True
 
-    def _promote_job(self, namespace: str, pool: SlotPool, key: bytes, slot: int) -> None:
+    def _submit_batches(self, job: Callable, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        """Split I/O into up to `io_threads` contiguous batches (neighbouring records share a call)."""
+        batches = min(self.config.tiers.disk.io_threads, len(items)) if items else 0
+        size = -(-len(items) // batches) if batches else 0
+        for b in range(batches):
+            self._io.submit(job, namespace, pool, items[b * size : (b + 1) * size])
+
+    def _promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         try:
-            ok = self.disk.read_into(namespace, key, pool.view(slot))
+            ok = self.disk.read_many(namespace, [(key, pool.view(slot)) for key, slot in items])
         except Exception:  # noqa: BLE001
-            logger.exception("kvstrata node store: promotion of %s failed", key_name(key))
-            ok = False
+            logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
+            ok = [False] * len(items)
         with self._lock:
-            self._promoting.discard((namespace, key))
-            if ok:
-                pool.commit(PROMOTE, slot, key)
-                pool.unpin(PROMOTE, [slot])
-                self.counters["promotions"] += 1
-            else:
-                pool.release(PROMOTE, [slot])
-                self.counters["promotion_failures"] += 1
+            for (key, slot), promoted in zip(items, ok):
+                self._promoting.discard((namespace, key))
+                if promoted:
+                    pool.commit(PROMOTE, slot, key)
+                    pool.unpin(PROMOTE, [slot])
+                    self.counters["promotions"] += 1
+                else:
+                    pool.release(PROMOTE, [slot])
+                    self.counters["promotion_failures"] += 1
 
 
 class LocalStoreClient:

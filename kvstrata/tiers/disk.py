@@ -49,6 +49,8 @@ MAGIC = b"KVSTRAT1"
 _HEADER = struct.Struct("<8sHHHQ16s")  # magic, version, key len, namespace len, payload len, digest
 VERSION = 1
 SLAB_SUFFIX = ".slab"
+# Records per pwritev: two iovecs each, within Linux's IOV_MAX of 1024.
+MAX_RUN = 256
 
 
 class DiskTierError(RuntimeError):
@@ -100,20 +102,40 @@ def _aligned_buffer(size: int) -> mmap.mmap:
 _scratch = threading.local()
 
 
-def _header_buffer() -> mmap.mmap:
-    """One aligned header buffer per I/O thread, reused: no mapping per chunk."""
-    buffer = getattr(_scratch, "header", None)
-    if buffer is None:
-        buffer = _scratch.header = _aligned_buffer(HEADER_BYTES)
-    return buffer
-
-
-def _bounce_buffer(size: int) -> np.ndarray:
-    """An aligned staging buffer per I/O thread for callers whose memory is not aligned."""
-    buffer = getattr(_scratch, "bounce", None)
+def _staging_buffer(name: str, size: int) -> np.ndarray:
+    """An aligned, reused staging buffer per I/O thread (headers, unaligned bodies)."""
+    buffer = getattr(_scratch, name, None)
     if buffer is None or len(buffer) < size:
-        buffer = _scratch.bounce = _aligned_buffer(size)
+        buffer = _aligned_buffer(max(size, SLOT_ALIGNMENT))
+        setattr(_scratch, name, buffer)
     return np.frombuffer(buffer, dtype=np.uint8, count=size)
+
+
+def _runs(records: list[int]) -> list[tuple[int, int]]:
+    """[start, end) index ranges of sorted `records` that are neighbours on disk."""
+    runs = []
+    start = 0
+    while start < len(records):
+        end = start + 1
+        while end < len(records) and end - start < MAX_RUN and records[end] == records[end - 1] + 1:
+            end += 1
+        runs.append((start, end))
+        start = end
+    return runs
+
+
+def _bodies(buffers: list[np.ndarray], bounced: list[bool], body_bytes: int, name: str) -> list[np.ndarray]:
+    """The record body of each buffer: the buffer itself, or an aligned staging slice."""
+    staging = _staging_buffer(name, body_bytes * sum(bounced)) if any(bounced) else None
+    bodies = []
+    next_slot = 0
+    for buffer, bounce in zip(buffers, bounced):
+        if bounce:
+            bodies.append(staging[next_slot * body_bytes : (next_slot + 1) * body_bytes])
+            next_slot += 1
+        else:
+            bodies.append(buffer[:body_bytes])
+    return bodies
 
 
 def _is_aligned(array: np.ndarray) -> bool:
@@ -217,105 +239,172 @@ class DiskTier:
 
     def write(self, namespace: str, key: bytes, payload: np.ndarray) -> bool:
         """Store one chunk; False (counted) if it was not stored. Never raises on I/O errors."""
-        payload = np.ascontiguousarray(payload).view(np.uint8).reshape(-1)
+        return self.write_many(namespace, [(key, payload)])[0]
+
+    def write_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
+        """Store chunks of one namespace; per chunk, whether it is on disk now.
+
+        Records that are neighbours on disk go out in one `pwritev` (header, payload,
+        header, payload, ...): small chunks then cost one system call per run, not one each.
+        """
+        payloads = [np.ascontiguousarray(p).view(np.uint8).reshape(-1) for _, p in items]
+        stored = [False] * len(items)
+        todo: list[tuple[int, int]] = []  # (item index, record)
         with self._lock:
             if not self.admitting:
-                self.counters["dropped_not_admitting"] += 1
-                return False
-            slab = self._slab(namespace, payload.nbytes)
-            if key in slab.index:
-                slab.policy.touch(slab.index[key])
-                return True
-            record = self._allocate(slab)
-            if record is None:
-                self.counters["dropped_not_admitting"] += 1
-                return False
-            slab.busy[record] = 1
-        header = _header_buffer()
-        RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(memoryview(header))
-        body = payload
-        pad = slab.record_bytes - HEADER_BYTES - payload.nbytes
-        if slab.direct and (not _is_aligned(payload) or pad):
-            body = _bounce_buffer(slab.record_bytes - HEADER_BYTES)
-            body[: payload.nbytes] = payload
-            body[payload.nbytes :] = 0
-        try:
-            written = os.pwritev(slab.fd, [header, memoryview(body)], slab.offset(record))
-            if written != HEADER_BYTES + body.nbytes:
-                raise OSError(errno.EIO, f"short write ({written} bytes)")
-        except OSError as exc:
-            with self._lock:
+                self.counters["dropped_not_admitting"] += len(items)
+                return stored
+            slab = self._slab(namespace, payloads[0].nbytes) if items else None
+            for i, (key, _) in enumerate(items):
+                if payloads[i].nbytes != slab.payload_bytes:
+                    raise ValueError(f"chunk {key_name(key)}: {payloads[i].nbytes} bytes, namespace {namespace} holds {slab.payload_bytes}")
+                if key in slab.index:
+                    slab.policy.touch(slab.index[key])
+                    stored[i] = True
+                    continue
+                record = self._allocate(slab)
+                if record is None:
+                    self.counters["dropped_not_admitting"] += 1
+                    continue
+                slab.busy[record] = 1
+                todo.append((i, record))
+        if not todo:
+            return stored
+        todo.sort(key=lambda item: item[1])
+        body_bytes = slab.record_bytes - HEADER_BYTES
+        headers = _staging_buffer("headers", HEADER_BYTES * len(todo))
+        body_payloads = [payloads[i] for i, _ in todo]
+        bounced = [p.nbytes != body_bytes or (slab.direct and not _is_aligned(p)) for p in body_payloads]
+        bodies = _bodies(body_payloads, bounced, body_bytes, "bodies")
+        iovecs: list[memoryview] = []
+        for n, (i, _) in enumerate(todo):
+            key, payload = items[i][0], payloads[i]
+            header = memoryview(headers)[n * HEADER_BYTES : (n + 1) * HEADER_BYTES]
+            RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(header)
+            if bounced[n]:
+                bodies[n][: payload.nbytes] = payload
+                bodies[n][payload.nbytes :] = 0
+            iovecs += [header, memoryview(bodies[n])]
+        failed: set[int] = set()
+        error: OSError | None = None
+        for start, end in _runs([record for _, record in todo]):
+            try:
+                written = os.pwritev(slab.fd, iovecs[2 * start : 2 * end], slab.offset(todo[start][1]))
+                if written != (end - start) * slab.record_bytes:
+                    raise OSError(errno.EIO, f"short write ({written} bytes)")
+            except OSError as exc:
+                error = exc
+                failed.update(range(start, end))
+        with self._lock:
+            for n, (i, record) in enumerate(todo):
                 del slab.busy[record]
-                slab.free.append(record)
+                if n in failed:
+                    slab.free.append(record)
+                    continue
+                key = items[i][0]
+                slab.index[key] = record
+                slab.key_of[record] = key
+                slab.policy.add(record)
+                stored[i] = True
+            self.counters["stored"] += len(todo) - len(failed)
+            if error is not None:
                 self.counters["write_errors"] += 1
                 if self.admitting:
                     self.admitting = False
                     logger.error(
                         "kvstrata disk tier: writing %s failed (%s); no longer admitting chunks, still serving reads",
                         slab.path,
-                        exc.strerror or exc,
+                        error.strerror or error,
                     )
-            return False
-        with self._lock:
-            del slab.busy[record]
-            slab.index[key] = record
-            slab.key_of[record] = key
-            slab.policy.add(record)
-            self.counters["stored"] += 1
-        self._notify(namespace, key, True)
-        return True
+        for n, (i, _) in enumerate(todo):
+            if n not in failed:
+                self._notify(namespace, items[i][0], True)
+        return stored
 
     def read_into(self, namespace: str, key: bytes, out: np.ndarray) -> bool:
         """Read and verify one chunk into `out`; False (a miss) if absent, unreadable or corrupt."""
-        out = out.view(np.uint8).reshape(-1)
+        return self.read_many(namespace, [(key, out)])[0]
+
+    def read_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
+        """Read and verify chunks into their buffers; per chunk, whether it is there now.
+
+        Neighbouring records are read with one `preadv`. A chunk that fails (absent,
+        unreadable, corrupt) is a miss; a failed one is dropped from the index. The
+        buffer of a failed chunk holds garbage and must not be used.
+        """
+        outs = [out.view(np.uint8).reshape(-1) for _, out in items]
+        ok = [False] * len(items)
+        todo: list[tuple[int, int]] = []  # (item index, record)
         with self._lock:
             slab = self._slabs.get(namespace)
-            record = None if slab is None else slab.index.get(key)
-            if record is None:
-                return False
-            if out.nbytes < slab.payload_bytes:
-                raise ValueError(f"buffer of {out.nbytes} bytes cannot hold chunk {key_name(key)} ({slab.payload_bytes} bytes)")
-            slab.busy[record] = slab.busy.get(record, 0) + 1
-            slab.policy.touch(record)
-        header = _header_buffer()
-        # O_DIRECT reads whole aligned records; buffered I/O reads just the payload.
-        read_bytes = slab.record_bytes - HEADER_BYTES if slab.direct else slab.payload_bytes
-        bounced = out.nbytes < read_bytes or (slab.direct and not _is_aligned(out))
-        body = _bounce_buffer(read_bytes) if bounced else out[:read_bytes]
-        try:
-            got = os.preadv(slab.fd, [header, memoryview(body)], slab.offset(record))
-            error = None if got == HEADER_BYTES + read_bytes else f"short read ({got} bytes)"
-        except OSError as exc:
-            error = exc.strerror or str(exc)
-        ok = False
-        if error is None:
-            parsed = RecordHeader.unpack(memoryview(header))
-            payload = body[: slab.payload_bytes]
-            ok = (
+            for i, (key, _) in enumerate(items):
+                record = None if slab is None else slab.index.get(key)
+                if record is None:
+                    continue
+                if outs[i].nbytes < slab.payload_bytes:
+                    raise ValueError(
+                        f"buffer of {outs[i].nbytes} bytes cannot hold chunk {key_name(key)} ({slab.payload_bytes} bytes)"
+                    )
+                slab.busy[record] = slab.busy.get(record, 0) + 1
+                slab.policy.touch(record)
+                todo.append((i, record))
+        if not todo:
+            return ok
+        todo.sort(key=lambda item: item[1])
+        body_bytes = slab.record_bytes - HEADER_BYTES
+        headers = _staging_buffer("read-headers", HEADER_BYTES * len(todo))
+        targets = [outs[i] for i, _ in todo]
+        bounced = [t.nbytes < body_bytes or (slab.direct and not _is_aligned(t)) for t in targets]
+        bodies = _bodies(targets, bounced, body_bytes, "read-bodies")
+        errors: dict[int, str] = {}
+        for start, end in _runs([record for _, record in todo]):
+            iovecs = []
+            for n in range(start, end):
+                iovecs += [memoryview(headers)[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], memoryview(bodies[n])]
+            try:
+                got = os.preadv(slab.fd, iovecs, slab.offset(todo[start][1]))
+            except OSError as exc:
+                got, reason = 0, exc.strerror or str(exc)
+            else:
+                reason = "short read"
+            # A record cut short (a torn tail) fails alone, not with its whole run.
+            for n in range(start + got // slab.record_bytes, end):
+                errors[n] = reason
+        corrupt = set()
+        for n, (i, _) in enumerate(todo):
+            if n in errors:
+                continue
+            key = items[i][0]
+            parsed = RecordHeader.unpack(memoryview(headers)[n * HEADER_BYTES : (n + 1) * HEADER_BYTES])
+            payload = bodies[n][: slab.payload_bytes]
+            if (
                 parsed is not None
                 and parsed.key == key
                 and parsed.namespace == namespace
                 and parsed.payload_bytes == slab.payload_bytes
                 and parsed.digest == chunk_digest(namespace, key, payload)
-            )
-            if ok and bounced:
-                out[: slab.payload_bytes] = payload
+            ):
+                ok[i] = True
+                if bounced[n]:
+                    outs[i][: slab.payload_bytes] = payload
+            else:
+                corrupt.add(n)
+        dropped = []
         with self._lock:
-            slab.busy[record] -= 1
-            if not slab.busy[record]:
-                del slab.busy[record]
-            if ok:
-                self.counters["read"] += 1
-            elif slab.index.get(key) == record:
-                self.counters["read_errors" if error else "corrupt_chunks"] += 1
-                self._drop(slab, key, record)
-        if not ok:
-            logger.warning(
-                "kvstrata disk tier: chunk %s of namespace %s %s; dropped (a miss)",
-                key_name(key),
-                namespace,
-                f"unreadable: {error}" if error else "failed its checksum",
-            )
+            for n, (i, record) in enumerate(todo):
+                slab.busy[record] -= 1
+                if not slab.busy[record]:
+                    del slab.busy[record]
+                if ok[i]:
+                    self.counters["read"] += 1
+                elif slab.index.get(items[i][0]) == record:
+                    self.counters["corrupt_chunks" if n in corrupt else "read_errors"] += 1
+                    self._drop(slab, items[i][0], record)
+                    dropped.append(n)
+        for n in dropped:
+            key = items[todo[n][0]][0]
+            reason = f"unreadable: {errors[n]}" if n in errors else "failed its checksum"
+            logger.warning("kvstrata disk tier: chunk %s of namespace %s %s; dropped (a miss)", key_name(key), namespace, reason)
             self._notify(namespace, key, False)
         return ok
 

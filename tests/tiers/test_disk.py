@@ -182,3 +182,18 @@ def test_namespaces_never_mix(tmp_path, tiers):
     tier.write("model-a", key(1), chunk(1))
     assert not tier.contains("model-b", key(1))
     assert not tier.read_into("model-b", key(1), np.zeros(CHUNK, dtype=np.uint8))
+
+
+def test_batches_fail_chunk_by_chunk(tmp_path, tiers, direct_io):
+    tier = open_tier(tiers, tmp_path, direct_io=direct_io)
+    items = [(key(i), chunk(i)) for i in range(6)]
+    assert tier.write_many(NS, items) == [True] * 6
+    with open(slab_file(tmp_path), "r+b") as f:  # corrupt the middle record of the run
+        f.seek(3 * (HEADER_BYTES + CHUNK) + HEADER_BYTES + 1)
+        f.write(b"\xff\xfe")
+    outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in range(7)]
+    result = tier.read_many(NS, [(key(i), outs[i]) for i in range(6)] + [(key(42), outs[6])])
+    assert result == [True, True, True, False, True, True, False]
+    for i in (0, 1, 2, 4, 5):
+        assert np.array_equal(outs[i], chunk(i))
+    assert tier.stats()["corrupt_chunks"] == 1 and not tier.contains(NS, key(3))
