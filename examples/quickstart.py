@@ -41,6 +41,8 @@ def main() -> int:
     from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
 
     ray.init(namespace="kvstrata", include_dashboard=False, log_to_driver=False)
+    # The engine's processes join this cluster, not another one that may run on the machine.
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     store = None
     try:
         store = kvstrata.up(CONFIG)

@@ -63,11 +63,23 @@ def store_config(
 
 @contextlib.contextmanager
 def local_ray(namespace: str) -> Iterator[None]:
-    """A local Ray cluster on loopback for one test module; always shut down."""
+    """A local Ray cluster on loopback for one test module; always shut down.
+
+    RAY_ADDRESS points engine processes spawned meanwhile at this cluster: with
+    `address="auto"` they would join whichever cluster on the machine started last.
+    """
+    import os
+
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     try:
         yield
     finally:
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = previous
         ray.shutdown()
