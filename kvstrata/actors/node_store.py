@@ -289,8 +289,6 @@ class NodeStore:
 
     def _write_back(self, namespace: str, pool: SlotPool, key: bytes, slot: int) -> str | None:
         """Eviction hook: keep the evicted bytes pinned until they are on disk."""
-        if self.disk.contains(namespace, key):
-            return None
         # If accepted, the pool pins the slot for CASCADE as soon as we return; the write
         # job's unpin waits for the store lock this call runs under, so it comes after.
         return CASCADE if self._queue_writes(namespace, pool, [(key, slot)]) else None

@@ -124,20 +124,6 @@ def _runs(records: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _bodies(buffers: list[np.ndarray], bounced: list[bool], body_bytes: int, name: str) -> list[np.ndarray]:
-    """The record body of each buffer: the buffer itself, or an aligned staging slice."""
-    staging = _staging_buffer(name, body_bytes * sum(bounced)) if any(bounced) else None
-    bodies = []
-    next_slot = 0
-    for buffer, bounce in zip(buffers, bounced):
-        if bounce:
-            bodies.append(staging[next_slot * body_bytes : (next_slot + 1) * body_bytes])
-            next_slot += 1
-        else:
-            bodies.append(buffer[:body_bytes])
-    return bodies
-
-
 def _is_aligned(array: np.ndarray) -> bool:
     return array.ctypes.data % SLOT_ALIGNMENT == 0 and array.nbytes % SLOT_ALIGNMENT == 0
 
@@ -161,6 +147,28 @@ class _Slab:
 
     def offset(self, record: int) -> int:
         return record * self.record_bytes
+
+    def stage(self, buffers: list[np.ndarray], direction: str) -> tuple[list[memoryview], list[np.ndarray], list[bool]]:
+        """Header views, record bodies and which bodies are staged, for one batch of records.
+
+        A body is the caller's buffer itself when it spans the whole record body (and is
+        aligned, for O_DIRECT); otherwise an aligned staging slice the caller copies
+        through (`bounced`).
+        """
+        body_bytes = self.record_bytes - HEADER_BYTES
+        header_block = memoryview(_staging_buffer(f"{direction}-headers", HEADER_BYTES * len(buffers)))
+        headers = [header_block[n * HEADER_BYTES : (n + 1) * HEADER_BYTES] for n in range(len(buffers))]
+        bounced = [b.nbytes < body_bytes or (self.direct and not _is_aligned(b)) for b in buffers]
+        staging = _staging_buffer(f"{direction}-bodies", body_bytes * sum(bounced)) if any(bounced) else None
+        bodies = []
+        staged = 0
+        for buffer, bounce in zip(buffers, bounced):
+            if bounce:
+                bodies.append(staging[staged * body_bytes : (staged + 1) * body_bytes])
+                staged += 1
+            else:
+                bodies.append(buffer[:body_bytes])
+        return headers, bodies, bounced
 
     def close(self) -> None:
         os.close(self.fd)
@@ -255,9 +263,12 @@ class DiskTier:
                 self.counters["dropped_not_admitting"] += len(items)
                 return stored
             slab = self._slab(namespace, payloads[0].nbytes) if items else None
+            for (key, _), payload in zip(items, payloads):
+                if payload.nbytes != slab.payload_bytes:
+                    raise ValueError(
+                        f"chunk {key_name(key)}: {payload.nbytes} bytes, namespace {namespace} holds {slab.payload_bytes}"
+                    )
             for i, (key, _) in enumerate(items):
-                if payloads[i].nbytes != slab.payload_bytes:
-                    raise ValueError(f"chunk {key_name(key)}: {payloads[i].nbytes} bytes, namespace {namespace} holds {slab.payload_bytes}")
                 if key in slab.index:
                     slab.policy.touch(slab.index[key])
                     stored[i] = True
@@ -271,15 +282,11 @@ class DiskTier:
         if not todo:
             return stored
         todo.sort(key=lambda item: item[1])
-        body_bytes = slab.record_bytes - HEADER_BYTES
-        headers = _staging_buffer("headers", HEADER_BYTES * len(todo))
-        body_payloads = [payloads[i] for i, _ in todo]
-        bounced = [p.nbytes != body_bytes or (slab.direct and not _is_aligned(p)) for p in body_payloads]
-        bodies = _bodies(body_payloads, bounced, body_bytes, "bodies")
+        headers, bodies, bounced = slab.stage([payloads[i] for i, _ in todo], "write")
         iovecs: list[memoryview] = []
         for n, (i, _) in enumerate(todo):
             key, payload = items[i][0], payloads[i]
-            header = memoryview(headers)[n * HEADER_BYTES : (n + 1) * HEADER_BYTES]
+            header = headers[n]
             RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(header)
             if bounced[n]:
                 bodies[n][: payload.nbytes] = payload
@@ -351,16 +358,12 @@ class DiskTier:
         if not todo:
             return ok
         todo.sort(key=lambda item: item[1])
-        body_bytes = slab.record_bytes - HEADER_BYTES
-        headers = _staging_buffer("read-headers", HEADER_BYTES * len(todo))
-        targets = [outs[i] for i, _ in todo]
-        bounced = [t.nbytes < body_bytes or (slab.direct and not _is_aligned(t)) for t in targets]
-        bodies = _bodies(targets, bounced, body_bytes, "read-bodies")
+        headers, bodies, bounced = slab.stage([outs[i] for i, _ in todo], "read")
         errors: dict[int, str] = {}
         for start, end in _runs([record for _, record in todo]):
             iovecs = []
             for n in range(start, end):
-                iovecs += [memoryview(headers)[n * HEADER_BYTES : (n + 1) * HEADER_BYTES], memoryview(bodies[n])]
+                iovecs += [headers[n], memoryview(bodies[n])]
             try:
                 got = os.preadv(slab.fd, iovecs, slab.offset(todo[start][1]))
             except OSError as exc:
@@ -375,7 +378,7 @@ class DiskTier:
             if n in errors:
                 continue
             key = items[i][0]
-            parsed = RecordHeader.unpack(memoryview(headers)[n * HEADER_BYTES : (n + 1) * HEADER_BYTES])
+            parsed = RecordHeader.unpack(headers[n])
             payload = bodies[n][: slab.payload_bytes]
             if (
                 parsed is not None

@@ -197,3 +197,11 @@ def test_batches_fail_chunk_by_chunk(tmp_path, tiers, direct_io):
     for i in (0, 1, 2, 4, 5):
         assert np.array_equal(outs[i], chunk(i))
     assert tier.stats()["corrupt_chunks"] == 1 and not tier.contains(NS, key(3))
+
+
+def test_a_wrong_size_chunk_is_refused_before_anything_is_allocated(tmp_path, tiers):
+    tier = open_tier(tiers, tmp_path)
+    with pytest.raises(ValueError, match="namespace ns0 holds 16384"):
+        tier.write_many(NS, [(key(1), chunk(1)), (key(2), chunk(2, size=CHUNK // 2))])
+    assert tier.stats()["allocated"] == 0 and tier.keys(NS) == []
+    assert tier.write(NS, key(1), chunk(1))
