@@ -115,6 +115,19 @@ class EngineConfig(_Strict):
     control_timeout_seconds: float = Field(
         default=10.0, gt=0, description="bound on one control call to the node store"
     )
+    max_view_age_seconds: float = Field(
+        default=0.1,
+        ge=0,
+        description="a lookup answers MISS only from a view of the node store taken at most this long "
+        "before its request arrived; an older view makes it RETRY while a fresh one is fetched "
+        "(0: chunks that reached any tier before the request arrived are always found)",
+    )
+    lookup_wait_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="longest a request waits (RETRY) for its chunks to be located or promoted "
+        "before its lookups answer MISS and it recomputes",
+    )
 
 
 class RayConfig(_Strict):

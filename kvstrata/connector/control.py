@@ -23,17 +23,19 @@ class ControlChannel:
     def __init__(
         self,
         send: Callable[[StepRequest], StepReply],
-        on_reply: Callable[[StepRequest, StepReply], None],
-        on_failure: Callable[[StepRequest, Exception], None],
+        on_reply: Callable[[StepRequest, StepReply, float], None],
+        on_failure: Callable[[StepRequest, Exception, float], None],
         heartbeat: Callable[[], StepRequest],
         heartbeat_s: float,
         name: str = "kvstrata-control",
+        clock: Callable[[], float] = time.monotonic,
     ):
         self._send = send
         self._on_reply = on_reply
         self._on_failure = on_failure
         self._heartbeat = heartbeat
         self._heartbeat_s = heartbeat_s
+        self._clock = clock
         self._cond = threading.Condition()
         self._queued: StepRequest | None = None
         self._in_flight = False
@@ -82,18 +84,21 @@ class ControlChannel:
                 self._in_flight = True
             if request is None:
                 request = self._heartbeat()
+            # The store answers with its state as of some time after this: callbacks get
+            # it so the manager knows how fresh its view is.
+            sent_at = self._clock()
             try:
                 reply = self._send(request)
             except Exception as exc:  # noqa: BLE001 - any failure of the store is a miss, not a crash
                 if not self._failing:
                     logger.warning("kvstrata: node store call failed, serving misses until it answers: %s", exc)
                 self._failing = True
-                self._on_failure(request, exc)
+                self._on_failure(request, exc, sent_at)
             else:
                 if self._failing:
                     logger.info("kvstrata: node store answers again")
                 self._failing = False
-                self._on_reply(request, reply)
+                self._on_reply(request, reply, sent_at)
             finally:
                 self.calls += 1
                 with self._cond:

@@ -3,7 +3,10 @@
 Every answer comes from local state; nothing here blocks on the store. The manager
 keeps:
 - a mirror of the store's index for this namespace (which keys are resident), fed by
-  the replies' change lists, so a cold prompt gets MISS without a round trip;
+  the replies' change lists, so a cold prompt gets MISS without a round trip -- as long
+  as the mirror is no older than its request (`max_view_age_seconds`): an engine that
+  sat idle while other engines or the disk cascade changed the store asks once more
+  (RETRY) rather than miss chunks that are there;
 - the pins it holds (key -> slot), taken through the store, so HIT always means
   "resident and pinned for this engine" and the load cannot fail;
 - a stock of free slots reserved in advance, so `prepare_store` never waits.
@@ -20,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +62,7 @@ COUNTER_NAMES = {
     "pins_missed": "Chunks believed resident that were gone when the pin arrived (misses).",
     "chunks_promoted": "Hits that waited for the node store to bring the chunk from disk into the arena.",
     "control_failures": "Control calls to the node store that failed or timed out.",
+    "lookups_timed_out": "Lookups answered MISS because the chunk was not pinned within lookup_wait_seconds.",
 }
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",
@@ -98,6 +102,7 @@ class StrataManager(OffloadingManager):
         config: KvstrataConfig,
         holder: str,
         enable_events: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self._client = client
         self.layout = layout
@@ -132,10 +137,16 @@ class StrataManager(OffloadingManager):
         self._pass_open = False
         self._refresh_s = config.engine.refresh_seconds
         self._last_submit = 0.0
+        self._clock = clock
+        self._max_view_age = config.engine.max_view_age_seconds
+        self._lookup_wait = config.engine.lookup_wait_seconds
+        self._arrived: dict[str, float] = {}  # request -> its first lookup since its last load
+        self._view_wanted = False  # a lookup waits for a view newer than the mirror
 
+        asked = clock()
         registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe())
         self._thread_epoch = registration.epoch
-        self._adopt(registration)
+        self._adopt(registration, asked)
         logger.info(
             "kvstrata manager %s: namespace %s, slot %d bytes, %d chunks already resident on node %s",
             holder,
@@ -151,6 +162,7 @@ class StrataManager(OffloadingManager):
             heartbeat=self._heartbeat_request,
             heartbeat_s=config.engine.lease_seconds / 3,
             name=f"kvstrata-control-{holder[:8]}",
+            clock=clock,
         )
         self._submit(self._take_request())
 
@@ -174,26 +186,38 @@ class StrataManager(OffloadingManager):
                 # forward pass turn this pass's RETRYs into HITs.
                 self._pass_open = True
                 self._drain_inbox()
+            req_id = req_context.req_id
+            now = self._clock()
+            arrived = self._arrived.setdefault(req_id, now)
             pin = self._pinned.get(key)
             if pin is not None and pin.epoch == self._epoch:
-                pin.requests.add(req_context.req_id)
-                self._req_keys.setdefault(req_context.req_id, set()).add(key)
+                pin.requests.add(req_id)
+                self._req_keys.setdefault(req_id, set()).add(key)
                 return LookupResult.HIT
             if key in self._storing:
                 return LookupResult.HIT_PENDING
+            if now - arrived > self._lookup_wait:
+                # A slow promotion or a silent store must not hold the request: recompute.
+                if key in self._pin_waiters or key in self._mirror:
+                    self._counters["lookups_timed_out"] += 1
+                return LookupResult.MISS
             waiters = self._pin_waiters.get(key)
             if waiters is not None:
-                waiters.add(req_context.req_id)
+                waiters.add(req_id)
                 return LookupResult.RETRY
             if key in self._mirror:
-                self._pin_waiters[key] = {req_context.req_id}
+                self._pin_waiters[key] = {req_id}
                 self._to_pin.append(key)
+                return LookupResult.RETRY
+            if self._view_as_of < arrived - self._max_view_age:
+                self._view_wanted = True
                 return LookupResult.RETRY
             return LookupResult.MISS
 
     @override
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ArenaSlotsSpec:
         with self._lock:
+            self._arrived.pop(req_context.req_id, None)  # its wait is over
             slots: list[int] = []
             for key in keys:
                 pin = self._pinned.get(key)
@@ -278,6 +302,7 @@ class StrataManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         with self._lock:
             req_id = req_context.req_id
+            self._arrived.pop(req_id, None)
             for key in self._req_keys.pop(req_id, ()):
                 pin = self._pinned.get(key)
                 if pin is not None:
@@ -300,14 +325,14 @@ class StrataManager(OffloadingManager):
             # Even with nothing to say, ask now and then: the reply refreshes the index
             # mirror, so chunks other engines stored become hits. Calls never pile up:
             # the channel merges requests while one is in flight.
-            now = time.monotonic()
-            if not request.is_empty() or now - self._last_submit >= self._refresh_s:
+            now = self._clock()
+            if not request.is_empty() or self._view_wanted or now - self._last_submit >= self._refresh_s:
                 self._submit(request)
 
     @override
     def has_pending_work(self) -> bool:
         with self._lock:
-            return bool(self._pin_waiters or self._inbox)
+            return bool(self._pin_waiters or self._inbox or self._view_wanted)
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -377,7 +402,8 @@ class StrataManager(OffloadingManager):
 
     # --- internals ----------------------------------------------------------------------
 
-    def _adopt(self, registration: Registration) -> None:
+    def _adopt(self, registration: Registration, as_of: float) -> None:
+        self._view_as_of = as_of
         self._epoch = registration.epoch
         self._geometry: PoolGeometry = registration.geometry
         self._seq = registration.seq
@@ -413,7 +439,8 @@ class StrataManager(OffloadingManager):
             return StepRequest(holder=self.holder, namespace=self.namespace, epoch=self._epoch, known_seq=self._seq)
 
     def _submit(self, request: StepRequest) -> None:
-        self._last_submit = time.monotonic()
+        self._view_wanted = False
+        self._last_submit = self._clock()
         self._channel.submit(request)
 
     def _release_idle_pins(self) -> None:
@@ -425,14 +452,15 @@ class StrataManager(OffloadingManager):
                 self._out_unpin.append(pin.slot)
 
     # Called on the control thread: only records, never touches manager state.
-    def _receive_reply(self, request: StepRequest, reply: StepReply) -> None:
+    def _receive_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
         if reply.epoch != self._thread_epoch:
+            sent_at = self._clock()
             try:
                 registration = self._client.register(
                     self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe()
                 )
             except Exception as exc:  # noqa: BLE001
-                self._receive_failure(request, exc)
+                self._receive_failure(request, exc, sent_at)
                 return
             self._thread_epoch = registration.epoch
             logger.warning(
@@ -441,28 +469,29 @@ class StrataManager(OffloadingManager):
                 registration.epoch,
             )
             with self._lock:
-                self._inbox.append(("reset", request, registration))
+                self._inbox.append(("reset", request, registration, sent_at))
             return
         with self._lock:
-            self._inbox.append(("reply", request, reply))
+            self._inbox.append(("reply", request, reply, sent_at))
 
-    def _receive_failure(self, request: StepRequest, exc: Exception) -> None:
+    def _receive_failure(self, request: StepRequest, exc: Exception, sent_at: float) -> None:
         with self._lock:
-            self._inbox.append(("failure", request, exc))
+            self._inbox.append(("failure", request, exc, sent_at))
 
     def _drain_inbox(self) -> None:
         while self._inbox:
-            kind, request, payload = self._inbox.popleft()
+            kind, request, payload, sent_at = self._inbox.popleft()
             if kind == "reply":
-                self._apply_reply(request, payload)
+                self._apply_reply(request, payload, sent_at)
             elif kind == "failure":
-                self._apply_failure(request)
+                self._apply_failure(request, sent_at)
             else:
-                self._apply_reset(payload)
+                self._apply_reset(payload, sent_at)
 
-    def _apply_reply(self, request: StepRequest, reply: StepReply) -> None:
+    def _apply_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
         if request.epoch != self._epoch:
             return
+        self._view_as_of = max(self._view_as_of, sent_at)
         self._reserve_outstanding -= request.reserve
         self._stock.extend(reply.reserved)
         if reply.reserve_cap:
@@ -473,6 +502,8 @@ class StrataManager(OffloadingManager):
                 self._promoted.discard(key)
                 self._counters["chunks_promoted"] += 1
             waiters = self._pin_waiters.pop(key, set())
+            for req_id in waiters:  # so a request that ends before its next lookup lets go
+                self._req_keys.setdefault(req_id, set()).add(key)
             held = self._pinned.get(key)
             if held is None:
                 self._pinned[key] = _Pin(slot, self._epoch, requests=waiters)
@@ -526,10 +557,12 @@ class StrataManager(OffloadingManager):
             for (medium, removed), keys in events.items():
                 self._events.append(make_event(keys, removed=removed, medium=medium))
 
-    def _apply_failure(self, request: StepRequest) -> None:
+    def _apply_failure(self, request: StepRequest, sent_at: float) -> None:
         self._counters["control_failures"] += 1
         if request.epoch != self._epoch:
             return
+        # The store could not answer: what we know is all there is, so misses are misses.
+        self._view_as_of = max(self._view_as_of, sent_at)
         self._reserve_outstanding -= request.reserve
         # Unpins, releases and commits are idempotent on the store: send them again.
         self._out_unpin.extend(request.unpin)
@@ -541,7 +574,7 @@ class StrataManager(OffloadingManager):
             if self._pin_waiters.pop(key, None) is not None:
                 self._mirror.pop(key, None)
 
-    def _apply_reset(self, registration: Registration) -> None:
+    def _apply_reset(self, registration: Registration, as_of: float) -> None:
         # Slots of the old epoch mean nothing to the new store. Loads already prepared
         # keep their geometry and finish from the old segments, which the new store
         # unlinks only after a lease period.
@@ -557,4 +590,4 @@ class StrataManager(OffloadingManager):
         self._reset_pins.clear()
         for key in [k for k, p in self._pinned.items() if not p.loads]:
             del self._pinned[key]
-        self._adopt(registration)
+        self._adopt(registration, as_of)

@@ -6,6 +6,7 @@ expects of any manager, plus what sharing a store between engines adds.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -53,8 +54,10 @@ def store_and_config(new_store):
 managers: list[StrataManager] = []
 
 
-def make_manager(store, cfg, holder="engine-a", lay=None, client=None):
-    manager = StrataManager(client or LocalStoreClient(store), lay or layout(worker_bytes=SLOT), cfg, holder, enable_events=True)
+def make_manager(store, cfg, holder="engine-a", lay=None, client=None, clock=time.monotonic):
+    manager = StrataManager(
+        client or LocalStoreClient(store), lay or layout(worker_bytes=SLOT), cfg, holder, enable_events=True, clock=clock
+    )
     managers.append(manager)
     assert manager.wait_idle(10)
     return manager
@@ -244,6 +247,63 @@ def test_evicted_chunk_becomes_a_miss_and_an_event(new_store):
     removed = [k for e in events if e.removed for k in e.keys]
     assert key(0, group=3) in stored and key(0, group=3) in removed
     assert all(k.endswith((3).to_bytes(4, "big")) for k in stored + removed)  # group kept
+
+
+def test_an_idle_engine_finds_chunks_stored_while_it_was_idle(store_and_config, clock):
+    store, cfg = store_and_config
+    reader = make_manager(store, cfg, holder="reader", clock=clock)
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])  # the reader has not heard of it
+    clock.advance(cfg.engine.max_view_age_seconds + 1)
+    # A request newer than the reader's view: ask the store before answering MISS.
+    assert reader.lookup(key(1), ctx("late")) is RETRY
+    assert reader.has_pending_work()
+    step(reader)
+    assert reader.lookup(key(1), ctx("late")) is RETRY  # now known: pinning
+    step(reader)
+    assert reader.lookup(key(1), ctx("late")) is HIT
+    # With a fresh view, a cold key is a MISS at once, without another call.
+    calls = reader._channel.calls
+    assert reader.lookup(key(2), ctx("late")) is MISS
+    assert reader._channel.calls == calls
+
+
+class HangingClient(LocalStoreClient):
+    """A store that stops answering until released (a wedged actor, a partitioned node)."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.release = threading.Event()
+        self.release.set()
+
+    def step(self, request):
+        assert self.release.wait(30)
+        return super().step(request)
+
+
+def test_a_request_waits_at_most_lookup_wait_seconds(store_and_config, clock):
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])
+    step(writer)  # its own pin goes back
+    client = HangingClient(store)
+    reader = make_manager(store, cfg, holder="reader", client=client, clock=clock)
+    client.release.clear()
+    try:
+        assert reader.lookup(key(1), ctx()) is RETRY
+        reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        clock.advance(cfg.engine.lookup_wait_seconds / 2)
+        assert reader.lookup(key(1), ctx()) is RETRY
+        clock.advance(cfg.engine.lookup_wait_seconds)
+        assert reader.lookup(key(1), ctx()) is MISS
+        assert reader.counters()["lookups_timed_out"] == 1
+    finally:
+        client.release.set()
+    # The pin that arrives late is given back once the request is gone.
+    assert reader.wait_idle(10)
+    reader.on_request_finished(ctx())
+    step(reader)
+    assert store.arena.pools[reader.namespace].stats()["pinned"] == 0
 
 
 def test_engines_with_different_layouts_never_share_chunks(store_and_config):
