@@ -91,9 +91,41 @@ class DiskTierConfig(_Strict):
     queue_depth: int = Field(default=256, ge=1, description="disk writes waiting at most; more are dropped and counted")
 
 
+class ObjectTimeouts(_Strict):
+    connect_seconds: float = Field(default=2.0, gt=0, description="bound on opening a connection")
+    read_seconds: float = Field(default=5.0, gt=0, description="bound on waiting for the server's next bytes")
+
+
+class ObjectTierConfig(_Strict):
+    """Object storage shared by every node: any fsspec URL (`s3://bucket/prefix`, `file://`, `memory://`)."""
+
+    url: str = Field(pattern=r"^[a-z0-9+]+://.+", description="root of kvstrata's objects, e.g. s3://bucket/kv")
+    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint (MinIO, SeaweedFS, ...)")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="passed to the fsspec filesystem (credentials, region, ...); never logged"
+    )
+    max_concurrency: int = Field(default=16, ge=1, le=256, description="object requests in flight at once")
+    timeouts: ObjectTimeouts = ObjectTimeouts()
+    max_attempts: int = Field(
+        default=3, ge=1, le=10, description="tries per request on throttling, 5xx and timeouts (backoff with jitter)"
+    )
+    write_policy: Literal["write_through", "write_back"] = Field(
+        default="write_through",
+        description="write_through: every committed chunk is uploaded; write_back: when evicted from the arena",
+    )
+    queue_depth: int = Field(default=256, ge=1, description="uploads waiting at most; more are dropped and counted")
+    index_refresh_seconds: float = Field(
+        default=30.0, gt=0, description="how often a node store lists the bucket to learn chunks other nodes stored"
+    )
+    backoff_max_seconds: float = Field(
+        default=30.0, gt=0, description="longest pause of the tier after failures before it tries the store again"
+    )
+
+
 class TiersConfig(_Strict):
     cpu: CpuTierConfig = CpuTierConfig()
     disk: DiskTierConfig | None = None
+    object: ObjectTierConfig | None = None
 
 
 class EngineConfig(_Strict):

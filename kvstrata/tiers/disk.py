@@ -30,24 +30,18 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from kvstrata.keys import SLOT_ALIGNMENT, align_up, key_name
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
+from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest
 
 logger = logging.getLogger(__name__)
 
-HEADER_BYTES = SLOT_ALIGNMENT
-MAGIC = b"KVSTRAT1"
-_HEADER = struct.Struct("<8sHHHQ16s")  # magic, version, key len, namespace len, payload len, digest
-VERSION = 1
 SLAB_SUFFIX = ".slab"
 # Records per pwritev: two iovecs each, within Linux's IOV_MAX of 1024.
 MAX_RUN = 256
@@ -55,43 +49,6 @@ MAX_RUN = 256
 
 class DiskTierError(RuntimeError):
     """The disk tier cannot be used as configured; the message names the path and reason."""
-
-
-def chunk_digest(namespace: str, key: bytes, payload) -> bytes:
-    hasher = xxhash.xxh3_128()
-    hasher.update(namespace.encode())
-    hasher.update(key)
-    hasher.update(memoryview(payload).cast("B"))
-    return hasher.digest()
-
-
-@dataclass(frozen=True)
-class RecordHeader:
-    key: bytes
-    namespace: str
-    payload_bytes: int
-    digest: bytes
-
-    def pack(self, out: memoryview) -> None:
-        namespace = self.namespace.encode()
-        out[: HEADER_BYTES] = bytes(HEADER_BYTES)
-        _HEADER.pack_into(out, 0, MAGIC, VERSION, len(self.key), len(namespace), self.payload_bytes, self.digest)
-        start = _HEADER.size
-        out[start : start + len(self.key)] = self.key
-        out[start + len(self.key) : start + len(self.key) + len(namespace)] = namespace
-
-    @classmethod
-    def unpack(cls, data: memoryview) -> "RecordHeader | None":
-        magic, version, key_len, ns_len, payload, digest = _HEADER.unpack_from(data, 0)
-        if magic != MAGIC or version != VERSION or _HEADER.size + key_len + ns_len > HEADER_BYTES:
-            return None
-        start = _HEADER.size
-        key = bytes(data[start : start + key_len])
-        try:
-            namespace = bytes(data[start + key_len : start + key_len + ns_len]).decode()
-        except UnicodeDecodeError:
-            return None
-        return cls(key, namespace, payload, digest)
 
 
 def _aligned_buffer(size: int) -> mmap.mmap:
@@ -380,13 +337,7 @@ class DiskTier:
             key = items[i][0]
             parsed = RecordHeader.unpack(headers[n])
             payload = bodies[n][: slab.payload_bytes]
-            if (
-                parsed is not None
-                and parsed.key == key
-                and parsed.namespace == namespace
-                and parsed.payload_bytes == slab.payload_bytes
-                and parsed.digest == chunk_digest(namespace, key, payload)
-            ):
+            if parsed is not None and parsed.matches(namespace, key, payload):
                 ok[i] = True
                 if bounced[n]:
                     outs[i][: slab.payload_bytes] = payload
