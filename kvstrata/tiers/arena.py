@@ -60,8 +60,9 @@ class SlotPool:
     """Slots of one layout namespace. Not thread-safe: the node store serialises calls.
 
     `on_change(key, present)` hears every index change. `on_evict(key, slot)` may claim an
-    evicted slot (write-back): it returns a holder name that keeps the bytes pinned as an
-    orphan until it unpins them, or None to let the slot be freed at once.
+    evicted slot (write-back to disk, to the object store, or both): it returns the holder
+    names that keep the bytes pinned as an orphan until each unpins them; none frees the
+    slot at once.
     """
 
     def __init__(self, arena: "Arena", geometry: PoolGeometry, policy: EvictionPolicy):
@@ -78,7 +79,7 @@ class SlotPool:
         self._pins: dict[int, set[str]] = {}
         self._held: dict[str, set[int]] = {}
         self.on_change: Callable[[bytes, bool], None] | None = None
-        self.on_evict: Callable[[bytes, int], str | None] | None = None
+        self.on_evict: Callable[[bytes, int], list[str]] | None = None
         self.counters = {"evicted": 0, "committed": 0, "duplicate_commits": 0, "reserve_shortfall": 0}
 
     @property
@@ -260,12 +261,13 @@ class SlotPool:
             key = self._key_of[slot]
             self._remove_index(key, slot)
             self.counters["evicted"] += 1
-            keeper = self.on_evict(key, slot) if self.on_evict is not None else None
-            if keeper is None:
+            keepers = self.on_evict(key, slot) if self.on_evict is not None else []
+            if not keepers:
                 self._free.append(slot)
             else:
                 self._orphans.add(slot)
-                self._pin_slot(keeper, slot)
+                for keeper in keepers:
+                    self._pin_slot(keeper, slot)
             return True
         return False
 

@@ -144,14 +144,16 @@ def test_write_back_hook_keeps_evicted_bytes_until_released(arena):
 
     def claim(k, slot):
         claimed.append((k, slot))
-        return "cascade"
+        return ["disk", "object"]
 
     pool.on_evict = claim
     assert pool.reserve("x", 2) == []  # two chunks leave the index, but their bytes stay
     assert [k for k, _ in claimed] == [key(0), key(1)]  # and no more than asked for
     for k, slot in claimed:
         assert np.array_equal(pool.view(slot), written[k])
-    pool.unpin("cascade", [slot for _, slot in claimed])  # written back: now free
+    pool.unpin("disk", [slot for _, slot in claimed])  # on disk, still uploading
+    assert pool.reserve("x", 2) == []
+    pool.unpin("object", [slot for _, slot in claimed])  # written back everywhere: now free
     assert len(pool.reserve("x", 2)) == 2
 
 

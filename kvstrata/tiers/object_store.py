@@ -1,0 +1,322 @@
+"""The object-storage tier: one self-describing object per chunk behind any fsspec URL.
+
+Shared by every node and engine that points at the same URL, so it is how a chunk
+outlives a node and how a new node starts warm.
+
+Invariants:
+- Names are `<root>/<namespace>/<hh>/<hash hex>-g<group>`: the namespace keeps
+  incompatible layouts apart, `hh` (the hash's first byte) fans objects out over 256
+  prefixes so no S3 prefix gets hot, and the group index survives. Each namespace has
+  `<root>/<namespace>/manifest.json` describing its layout, for tools.
+- An object is `[4 KiB record header | payload]` (the disk tier's record format): every
+  read is checked against the header's xxh3-128 of namespace ‖ key ‖ payload before
+  its bytes are handed out; a mismatch is a miss and a `corrupt_chunks` count.
+- No call waits without bound: S3 requests carry connect/read timeouts and at most
+  `max_attempts` tries (botocore's adaptive retry mode: exponential backoff with jitter,
+  and a client-side rate limit that slows down while the server throttles). After a
+  failure the tier pauses (doubling up to `backoff_max_seconds`, with jitter): while
+  paused, uploads are dropped and reads miss at once, counted, so a dead or black-holed
+  server costs one timeout, not one per chunk. The first call after the pause probes it.
+- Credentials come from `storage_options` or the standard chain and are never logged:
+  error texts are scrubbed of every credential value before they reach a log line.
+
+No Ray and no vLLM in here; calls may come from several threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from kvstrata.config import ObjectTierConfig
+from kvstrata.keys import key_name, make_key
+from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+S3_PROTOCOLS = ("s3", "s3a")
+# storage_options entries whose values must never appear in a log line or an error.
+SECRET_OPTIONS = ("key", "secret", "token", "password", "username", "aws_access_key_id",
+                  "aws_secret_access_key", "aws_session_token", "access_key", "secret_key")
+
+
+def open_filesystem(config: ObjectTierConfig) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and root path for the configured URL, with every wait bounded."""
+    protocol = config.url.split("://", 1)[0]
+    options: dict[str, Any] = dict(config.storage_options)
+    if protocol in S3_PROTOCOLS:
+        client_kwargs = dict(options.pop("client_kwargs", None) or {})
+        if config.endpoint_url:
+            client_kwargs.setdefault("endpoint_url", config.endpoint_url)
+        config_kwargs = dict(options.pop("config_kwargs", None) or {})
+        config_kwargs.setdefault("connect_timeout", config.timeouts.connect_seconds)
+        config_kwargs.setdefault("read_timeout", config.timeouts.read_seconds)
+        config_kwargs.setdefault("retries", {"max_attempts": config.max_attempts, "mode": "adaptive"})
+        config_kwargs.setdefault("max_pool_connections", config.max_concurrency)
+        options.update(client_kwargs=client_kwargs, config_kwargs=config_kwargs)
+    fs, root = fsspec.core.url_to_fs(config.url, skip_instance_cache=True, **options)
+    if protocol in S3_PROTOCOLS:
+        # botocore's bounded, jittered retries only: s3fs's own retry loop would multiply
+        # them (and it sleeps without jitter).
+        fs.retries = 1
+    return fs, root.rstrip("/")
+
+
+def _secret_values(storage_options: Mapping[str, Any]) -> list[str]:
+    found = []
+    for name, value in storage_options.items():
+        if isinstance(value, Mapping):
+            found += _secret_values(value)
+        elif name.lower() in SECRET_OPTIONS and value:
+            found.append(str(value))
+    return found
+
+
+class ObjectTier:
+    def __init__(
+        self,
+        config: ObjectTierConfig,
+        clock: Callable[[], float] = time.monotonic,
+        filesystem: tuple[fsspec.AbstractFileSystem, str] | None = None,
+    ):
+        self.config = config
+        self.fs, self.root = filesystem or open_filesystem(config)
+        self._clock = clock
+        self._secrets = _secret_values(config.storage_options)
+        self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvstrata-object")
+        self._lock = threading.Lock()
+        self._paused_until = 0.0
+        self._backoff = 0.0
+        self.last_error: str | None = None
+        self.counters = {
+            "puts": 0,
+            "put_failures": 0,
+            "gets": 0,
+            "get_failures": 0,
+            "not_found": 0,
+            "corrupt_chunks": 0,
+            "skipped_while_paused": 0,
+            "bytes_put": 0,
+            "bytes_got": 0,
+        }
+
+    # --- names ---------------------------------------------------------------------------
+
+    def object_path(self, namespace: str, key: bytes) -> str:
+        name = key_name(key)
+        return f"{self.root}/{namespace}/{name[:2]}/{name}"
+
+    @staticmethod
+    def key_of(path: str) -> bytes | None:
+        """The chunk key an object name stands for, or None for anything else."""
+        name = path.rsplit("/", 1)[-1]
+        digest, sep, group = name.rpartition("-g")
+        if not sep or not group.isdigit():
+            return None
+        try:
+            return make_key(bytes.fromhex(digest), int(group))
+        except ValueError:
+            return None
+
+    # --- chunks --------------------------------------------------------------------------
+
+    def put_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
+        """Upload chunks concurrently; True for each one now readable by every node."""
+        return self._fan_out(self._put, namespace, items)
+
+    def get_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
+        """Download and verify chunks into `out` buffers; False is a miss (absent, corrupt, failed)."""
+        return self._fan_out(self._get, namespace, items)
+
+    def remove(self, namespace: str, key: bytes) -> bool:
+        try:
+            self.fs.rm_file(self.object_path(namespace, key))
+            return True
+        except FileNotFoundError:
+            return False
+        except Exception as exc:  # noqa: BLE001 - a failed removal leaves garbage, never a wrong hit
+            self._failed("remove", exc)
+            return False
+
+    def list_keys(self, namespace: str) -> set[bytes] | None:
+        """Every chunk of a namespace in the store, or None when the store cannot be listed now."""
+        if not self._admit(1):
+            return None
+        try:
+            paths = self.fs.find(f"{self.root}/{namespace}")
+        except FileNotFoundError:
+            return set()
+        except Exception as exc:  # noqa: BLE001
+            self._failed("list", exc)
+            return None
+        self._succeeded()
+        return {key for key in map(self.key_of, paths) if key is not None}
+
+    def purge(self, namespace: str) -> int:
+        """Delete a namespace's chunks and manifest; returns how many chunks went."""
+        keys = self.list_keys(namespace) or set()
+        try:
+            self.fs.rm(f"{self.root}/{namespace}", recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            self._failed("purge", exc)
+            return 0
+        return len(keys)
+
+    # --- manifests -----------------------------------------------------------------------
+
+    def write_manifest(self, namespace: str, layout: Mapping[str, object]) -> bool:
+        if not self._admit(1):
+            return False
+        body = json.dumps({"namespace": namespace, "layout": dict(layout)}, sort_keys=True, default=str)
+        try:
+            self.fs.pipe_file(f"{self.root}/{namespace}/{MANIFEST}", body.encode())
+        except Exception as exc:  # noqa: BLE001
+            self._failed("manifest", exc)
+            return False
+        self._succeeded()
+        return True
+
+    def manifests(self) -> dict[str, dict[str, object]]:
+        """Namespace -> layout of every namespace with a manifest under the root (tools)."""
+        found: dict[str, dict[str, object]] = {}
+        for path in self.fs.glob(f"{self.root}/*/{MANIFEST}"):
+            manifest = json.loads(self.fs.cat_file(path))
+            found[manifest["namespace"]] = manifest["layout"]
+        return found
+
+    # --- health ----------------------------------------------------------------------------
+
+    def available(self) -> bool:
+        return self._clock() >= self._paused_until
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "url": self.config.url,
+                "available": self.available(),
+                "last_error": self.last_error,
+                **self.counters,
+            }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _fan_out(self, op: Callable, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
+        if not items:
+            return []
+        if not self._admit(len(items)):
+            return [False] * len(items)
+        futures = [self._pool.submit(op, namespace, key, buffer) for key, buffer in items]
+        return [future.result() for future in futures]
+
+    def _put(self, namespace: str, key: bytes, payload: np.ndarray) -> bool:
+        if not self.available():
+            self._count("skipped_while_paused")
+            return False
+        body = np.empty(HEADER_BYTES + payload.nbytes, dtype=np.uint8)
+        RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(
+            memoryview(body)[:HEADER_BYTES]
+        )
+        body[HEADER_BYTES:] = payload.reshape(-1).view(np.uint8)
+        try:
+            self.fs.pipe_file(self.object_path(namespace, key), body.tobytes())
+        except Exception as exc:  # noqa: BLE001 - an upload that fails is a dropped copy
+            self._count("put_failures")
+            self._failed("upload", exc)
+            return False
+        self._count("puts", payload.nbytes)
+        self._succeeded()
+        return True
+
+    def _get(self, namespace: str, key: bytes, out: np.ndarray) -> bool:
+        if not self.available():
+            self._count("skipped_while_paused")
+            return False
+        try:
+            data = self.fs.cat_file(self.object_path(namespace, key))
+        except FileNotFoundError:
+            self._count("not_found")
+            self._succeeded()  # the store answered
+            return False
+        except Exception as exc:  # noqa: BLE001 - a failed read is a miss
+            self._count("get_failures")
+            self._failed("download", exc)
+            return False
+        self._succeeded()
+        view = memoryview(data)
+        header = RecordHeader.unpack(view[:HEADER_BYTES]) if len(data) >= HEADER_BYTES else None
+        payload = view[HEADER_BYTES:]
+        if header is None or payload.nbytes != out.nbytes or not header.matches(namespace, key, payload):
+            self._count("corrupt_chunks")
+            logger.warning(
+                "kvstrata object tier: chunk %s of namespace %s failed its checksum; treated as a miss",
+                key_name(key),
+                namespace,
+            )
+            return False
+        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
+        self._count("gets", out.nbytes)
+        return True
+
+    def _count(self, name: str, nbytes: int = 0) -> None:
+        with self._lock:
+            self.counters[name] += 1
+            if name == "puts":
+                self.counters["bytes_put"] += nbytes
+            elif name == "gets":
+                self.counters["bytes_got"] += nbytes
+
+    def _admit(self, count: int) -> bool:
+        if self.available():
+            return True
+        with self._lock:
+            self.counters["skipped_while_paused"] += count
+        return False
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        reason = self._scrub(f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            first = self._backoff == 0.0
+            self._backoff = min(self.config.backoff_max_seconds, max(1.0, self._backoff * 2))
+            pause = self._backoff * random.uniform(0.5, 1.0)
+            self._paused_until = max(self._paused_until, self._clock() + pause)
+            self.last_error = f"{what}: {reason}"
+        if first:
+            logger.warning(
+                "kvstrata object tier %s: %s failed (%s); uploads are dropped and loads miss "
+                "while it is paused (%.1fs, growing to %.0fs while it keeps failing)",
+                self.config.url,
+                what,
+                reason,
+                pause,
+                self.config.backoff_max_seconds,
+            )
+
+    def _succeeded(self) -> None:
+        if self._backoff == 0.0:
+            return
+        with self._lock:
+            if self._backoff == 0.0:
+                return
+            self._backoff = 0.0
+            self._paused_until = 0.0
+        logger.info("kvstrata object tier %s answers again", self.config.url)
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text

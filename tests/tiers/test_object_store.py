@@ -1,0 +1,147 @@
+"""The object tier over fsspec's in-memory filesystem and a filesystem that fails on demand."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+
+from kvstrata.config import ObjectTierConfig
+from kvstrata.tiers.object_store import ObjectTier
+from tests.utils import FakeClock, key
+
+NS = "ns-test"
+SIZE = 8192
+
+
+@pytest.fixture
+def url():
+    root = f"memory://kvstrata-{uuid.uuid4().hex[:8]}/kv"
+    yield root
+    fs, path = fsspec.core.url_to_fs(root)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def tier_for(url, clock=None, **overrides):
+    return ObjectTier(ObjectTierConfig(url=url, **overrides), clock=clock or FakeClock())
+
+
+def chunk(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+def test_chunks_round_trip_bit_exact(url):
+    tier = tier_for(url)
+    items = [(key(i, group=i % 3), chunk(i)) for i in range(20)]
+    assert tier.put_many(NS, items) == [True] * 20
+    outs = [(k, np.zeros(SIZE, np.uint8)) for k, _ in items]
+    assert tier.get_many(NS, outs) == [True] * 20
+    for (_, written), (_, read) in zip(items, outs):
+        assert np.array_equal(written, read)
+    assert tier.list_keys(NS) == {k for k, _ in items}
+    tier.close()
+
+
+def test_names_fan_out_on_the_hash_and_keep_the_group(url):
+    tier = tier_for(url)
+    path = tier.object_path(NS, key(7, group=2))
+    prefix, fan, name = path.rsplit("/", 3)[-3:]
+    assert prefix == NS and len(fan) == 2 and name.startswith(fan) and name.endswith("-g2")
+    assert ObjectTier.key_of(path) == key(7, group=2)
+    assert ObjectTier.key_of(f"{tier.root}/{NS}/manifest.json") is None
+    tier.close()
+
+
+def test_absent_and_corrupt_objects_are_misses_and_counted(url):
+    tier = tier_for(url)
+    tier.put_many(NS, [(key(1), chunk(1))])
+    path = tier.object_path(NS, key(1))
+    raw = bytearray(tier.fs.cat_file(path))
+    raw[-5] ^= 0xFF
+    tier.fs.pipe_file(path, bytes(raw))
+    out = np.zeros(SIZE, np.uint8)
+    assert tier.get_many(NS, [(key(1), out), (key(2), out)]) == [False, False]
+    assert tier.counters["corrupt_chunks"] == 1 and tier.counters["not_found"] == 1
+    # An object stored under another chunk's name is not that chunk either.
+    tier.fs.pipe_file(tier.object_path(NS, key(3)), tier.fs.cat_file(tier.object_path(NS, key(1))))
+    assert tier.get_many(NS, [(key(3), out)]) == [False]
+    assert tier.counters["corrupt_chunks"] == 2
+    tier.close()
+
+
+def test_manifests_describe_namespaces_and_purge_removes_one(url):
+    tier = tier_for(url)
+    tier.write_manifest(NS, {"model": "tiny", "slot_bytes": SIZE})
+    tier.write_manifest("other", {"model": "other"})
+    tier.put_many(NS, [(key(i), chunk(i)) for i in range(3)])
+    tier.put_many("other", [(key(9), chunk(9))])
+    assert tier.manifests() == {NS: {"model": "tiny", "slot_bytes": SIZE}, "other": {"model": "other"}}
+    assert tier.purge(NS) == 3
+    assert tier.list_keys(NS) == set() and tier.list_keys("other") == {key(9)}
+    tier.close()
+
+
+class SwitchableFS:
+    """Wraps a filesystem; while `down`, every call raises like an unreachable endpoint."""
+
+    def __init__(self, fs):
+        self.fs = fs
+        self.down = False
+        self.calls = 0
+
+    def __getattr__(self, name):
+        target = getattr(self.fs, name)
+
+        def call(*args, **kwargs):
+            self.calls += 1
+            if self.down:
+                raise ConnectionError("endpoint unreachable (secret=hunter2-credential)")
+            return target(*args, **kwargs)
+
+        return call
+
+
+def test_a_failing_store_pauses_the_tier_then_recovers(url, caplog):
+    clock = FakeClock()
+    config = ObjectTierConfig(url=url, storage_options={"secret": "hunter2-credential"}, backoff_max_seconds=8)
+    fs, root = fsspec.core.url_to_fs(url)
+    switch = SwitchableFS(fs)
+    tier = ObjectTier(config, clock=clock, filesystem=(switch, root))
+    switch.down = True
+    with caplog.at_level(logging.INFO, logger="kvstrata.tiers.object_store"):
+        assert tier.put_many(NS, [(key(i), chunk(i)) for i in range(8)]) == [False] * 8
+        calls = switch.calls
+        # Paused: nothing reaches the store, everything is a counted miss or drop.
+        assert tier.get_many(NS, [(key(1), np.zeros(SIZE, np.uint8))]) == [False]
+        assert tier.list_keys(NS) is None
+        assert switch.calls == calls
+        assert tier.counters["skipped_while_paused"] >= 2
+        switch.down = False
+        clock.advance(8)
+        assert tier.put_many(NS, [(key(1), chunk(1))]) == [True]
+        assert tier.available()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("failed" in m for m in messages) == 1  # one line per outage, not per chunk
+    assert any("answers again" in m for m in messages)
+    assert all("hunter2-credential" not in m for m in messages)
+    assert "hunter2-credential" not in str(tier.stats())
+    tier.close()
+
+
+def test_the_pause_grows_while_the_store_keeps_failing(url):
+    clock = FakeClock()
+    fs, root = fsspec.core.url_to_fs(url)
+    switch = SwitchableFS(fs)
+    tier = ObjectTier(ObjectTierConfig(url=url, backoff_max_seconds=4), clock=clock, filesystem=(switch, root))
+    switch.down = True
+    pauses = []
+    for _ in range(5):
+        tier.put_many(NS, [(key(1), chunk(1))])
+        pauses.append(tier._paused_until - clock.now)
+        clock.advance(pauses[-1])
+    assert pauses[-1] <= 4 and max(pauses) > pauses[0]
+    tier.close()
