@@ -14,6 +14,12 @@ Between tiers:
   and verifies the chunk on an I/O thread, and commits it; meanwhile the engine is told
   `pending` (it answers RETRY), and its next pin request finds the chunk in the arena.
   A failed or corrupt read leaves the chunk nowhere, so the next request is a MISS.
+- object tier (shared by all nodes): committed chunks are uploaded in the background
+  (`write_through`, skipped when the bucket already holds them) or when evicted
+  (`write_back`), under the same bounded-queue rule. What the bucket holds is learned
+  from this store's own uploads and from listing the namespace every
+  `index_refresh_seconds`, so chunks other nodes stored become hits here; promotion
+  prefers the local disk and falls back to the object store.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from kvstrata.actors.options import node_tag
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.config import KvstrataConfig, load_config
 from kvstrata.tiers.arena import Arena, SlotError, SlotPool
-from kvstrata.tiers.changelog import CPU, STORAGE, ChangeLog
+from kvstrata.tiers.changelog import CPU, OBJECT, STORAGE, ChangeLog
 from kvstrata.tiers.disk import DiskTier, DiskTierError
+from kvstrata.tiers.object_store import ObjectTier
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +48,7 @@ MAX_RESERVED_SHARE = 4
 
 # Internal pin holders: they hold no lease and never expire.
 CASCADE = "kvstrata:cascade"
+UPLOAD = "kvstrata:upload"
 PROMOTE = "kvstrata:promote"
 
 
@@ -72,20 +80,34 @@ class NodeStore:
             "promotion_failures": 0,
             "disk_writes_queued": 0,
             "disk_writes_dropped": 0,
+            "object_uploads_queued": 0,
+            "object_uploads_dropped": 0,
+            "object_promotions": 0,
         }
+        self._uploads_pending = 0
+        self._listed_at: dict[str, float] = {}  # namespace -> when its bucket listing started
+        self._listing: set[str] = set()
+        self._clock = clock
         self._promoting: set[tuple[str, bytes]] = set()
         self._writes_pending = 0
         self.disk: DiskTier | None = None
         self.disk_error: str | None = None
         self._io: ThreadPoolExecutor | None = None
         self._open_disk()
+        self.object: ObjectTier | None = None
+        self._object_io: ThreadPoolExecutor | None = None
+        if self.config.tiers.object is not None:
+            self.object = ObjectTier(self.config.tiers.object, clock=clock)
+            # Batches queue here; each fans out over the tier's own max_concurrency threads.
+            self._object_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-object-jobs")
         logger.info(
-            "kvstrata node store up on node %s (pid %d, epoch %s, cpu capacity %d bytes, disk %s)",
+            "kvstrata node store up on node %s (pid %d, epoch %s, cpu capacity %d bytes, disk %s, object %s)",
             node_id,
             os.getpid(),
             self.arena.epoch,
             cpu.capacity,
             self.config.tiers.disk.path if self.disk else "off",
+            self.config.tiers.object.url if self.object else "off",
         )
 
     def _open_disk(self) -> None:
@@ -122,8 +144,11 @@ class NodeStore:
         with self._lock:
             self.arena.expire()
             pool = self._pool(namespace, slot_bytes)
-            if layout is not None:
-                self.layouts.setdefault(namespace, dict(layout))
+            if layout is not None and namespace not in self.layouts:
+                self.layouts[namespace] = dict(layout)
+                if self.object is not None:
+                    self._object_io.submit(self.object.write_manifest, namespace, dict(layout))
+            self._refresh_object_index(namespace)
             self.arena.renew(holder)
             seq, changes = self._log(namespace).snapshot()
             return Registration(
@@ -145,25 +170,36 @@ class NodeStore:
             if request.purge:
                 self._purge(namespace)
             cascade: list[tuple[bytes, int]] = []
+            uploads: list[tuple[bytes, int]] = []
             for slot, key in request.commit:
                 try:
-                    if pool.commit(request.holder, slot, key) and self._write_through:
-                        cascade.append((key, pool.pin(CASCADE, [key])[key]))
+                    if pool.commit(request.holder, slot, key):
+                        if self._write_through:
+                            cascade.append((key, pool.pin(CASCADE, [key])[key]))
+                        if self._upload_through:
+                            uploads.append((key, pool.pin(UPLOAD, [key])[key]))
                 except SlotError as exc:
                     rejected.append(str(exc))
             if cascade:
                 self._queue_writes(namespace, pool, cascade)
+            if uploads:
+                self._queue_uploads(namespace, pool, uploads)
+            self._refresh_object_index(namespace)
             pool.release(request.holder, request.release)
             pool.unpin(request.holder, request.unpin)
             pool.touch(request.touch)
             pinned = pool.pin(request.holder, request.pin)
             missing: list[bytes] = []
             pending: list[bytes] = []
-            promotions: list[tuple[bytes, int]] = []
+            from_disk: list[tuple[bytes, int]] = []
+            from_object: list[tuple[bytes, int]] = []
             for key in request.pin:
                 if key not in pinned:
-                    (pending if self._promote(namespace, pool, key, promotions) else missing).append(key)
-            self._submit_batches(self._promote_job, namespace, pool, promotions)
+                    promoting = self._promote(namespace, pool, key, from_disk, from_object)
+                    (pending if promoting else missing).append(key)
+            self._submit_batches(self._promote_job, namespace, pool, from_disk)
+            if from_object:
+                self._object_io.submit(self._object_promote_job, namespace, pool, from_object)
             reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
             # The engine keeps its stock at or under the cap; slots it is still writing
             # are not counted, so a busy engine's refill is never refused.
@@ -229,6 +265,8 @@ class NodeStore:
         with self._lock:
             disk = self.disk.stats() if self.disk else {"error": self.disk_error} if self.disk_error else None
             return {
+                "object": self.object.stats() if self.object else None,
+                "uploads_pending": self._uploads_pending,
                 "node_id": self.node_id,
                 "pid": os.getpid(),
                 "layouts": self.layouts,
@@ -243,7 +281,7 @@ class NodeStore:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._writes_pending and not self._promoting:
+                if not (self._writes_pending or self._promoting or self._uploads_pending or self._listing):
                     return True
             time.sleep(0.005)
         return False
@@ -252,6 +290,9 @@ class NodeStore:
         """Unlink the arena; disk records stay for the next store. For taking the store down on purpose."""
         if self._io is not None:
             self._io.shutdown(wait=True)
+        if self._object_io is not None:
+            self._object_io.shutdown(wait=True)
+            self.object.close()
         with self._lock:
             self.arena.close()
             if self.disk is not None:
@@ -263,6 +304,10 @@ class NodeStore:
     @property
     def _write_through(self) -> bool:
         return self.disk is not None and self.config.tiers.disk.write_policy == "write_through"
+
+    @property
+    def _upload_through(self) -> bool:
+        return self.object is not None and self.config.tiers.object.write_policy == "write_through"
 
     def _log(self, namespace: str) -> ChangeLog:
         log = self._logs.get(namespace)
@@ -276,8 +321,10 @@ class NodeStore:
         if not known:
             log = self._log(namespace)
             pool.on_change = lambda key, present: log.record(key, CPU, present)
-            if self.disk is not None and self.config.tiers.disk.write_policy == "write_back":
-                pool.on_evict = lambda key, slot: self._write_back(namespace, pool, key, slot)
+            disk_back = self.disk is not None and self.config.tiers.disk.write_policy == "write_back"
+            object_back = self.object is not None and self.config.tiers.object.write_policy == "write_back"
+            if disk_back or object_back:
+                pool.on_evict = lambda key, slot: self._write_back(namespace, pool, key, slot, disk_back, object_back)
         return pool
 
     def _purge(self, namespace: str) -> int:
@@ -285,15 +332,29 @@ class NodeStore:
         removed = pool.purge() if pool is not None else 0
         if self.disk is not None:
             removed += sum(self.disk.remove(namespace, key) for key in self.disk.keys(namespace))
+        if self.object is not None:
+            log = self._log(namespace)
+            for key in log.present(OBJECT):
+                log.record(key, OBJECT, False)
+            self._object_io.submit(self.object.purge, namespace)
         return removed
 
-    def _write_back(self, namespace: str, pool: SlotPool, key: bytes, slot: int) -> str | None:
-        """Eviction hook: keep the evicted bytes pinned until they are on disk."""
-        # If accepted, the pool pins the slot for CASCADE as soon as we return; the write
-        # job's unpin waits for the store lock this call runs under, so it comes after.
-        return CASCADE if self._queue_writes(namespace, pool, [(key, slot)]) else None
+    def _write_back(
+        self, namespace: str, pool: SlotPool, key: bytes, slot: int, to_disk: bool, to_object: bool
+    ) -> list[str]:
+        """Eviction hook: keep the evicted bytes pinned until they are on disk and uploaded."""
+        # Each accepted copy pins the slot as soon as we return; the jobs' unpins wait for
+        # the store lock this call runs under, so they come after.
+        keepers = []
+        if to_disk and self._queue_writes(namespace, pool, [(key, slot)], pinned=False):
+            keepers.append(CASCADE)
+        if to_object and self._queue_uploads(namespace, pool, [(key, slot)], pinned=False):
+            keepers.append(UPLOAD)
+        return keepers
 
-    def _queue_writes(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> int:
+    def _queue_writes(
+        self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], pinned: bool = True
+    ) -> int:
         """Queue disk writes of slots the cascade pins, in up to `io_threads` batches.
 
         Items beyond the queue depth (or already on disk) are dropped and unpinned; the
@@ -303,12 +364,14 @@ class NodeStore:
         accepted: list[tuple[bytes, int]] = []
         for key, slot in items:
             if self.disk.contains(namespace, key):
-                pool.unpin(CASCADE, [slot])
+                pass
             elif self._writes_pending + len(accepted) >= disk_config.queue_depth:
                 self.counters["disk_writes_dropped"] += 1
-                pool.unpin(CASCADE, [slot])
             else:
                 accepted.append((key, slot))
+                continue
+            if pinned:
+                pool.unpin(CASCADE, [slot])
         self._writes_pending += len(accepted)
         self.counters["disk_writes_queued"] += len(accepted)
         # Consecutive commits tend to get neighbouring disk records: one pwritev per run.
@@ -326,15 +389,96 @@ class NodeStore:
                 self._writes_pending -= len(items)
                 pool.unpin(CASCADE, [slot for _, slot in items])
 
-    def _promote(self, namespace: str, pool: SlotPool, key: bytes, batch: list[tuple[bytes, int]]) -> bool:
-        """Start (or join) bringing a disk chunk into the arena; False if it cannot be had."""
+    def _queue_uploads(
+        self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], pinned: bool = True
+    ) -> int:
+        """Queue uploads of slots pinned for UPLOAD; the same drop-never-block rule as disk writes."""
+        log = self._log(namespace)
+        accepted: list[tuple[bytes, int]] = []
+        for key, slot in items:
+            if log.has(key, OBJECT):
+                pass  # another node (or an earlier life of this chunk) put it there
+            elif not self.object.available() or (
+                self._uploads_pending + len(accepted) >= self.config.tiers.object.queue_depth
+            ):
+                self.counters["object_uploads_dropped"] += 1
+            else:
+                accepted.append((key, slot))
+                continue
+            if pinned:
+                pool.unpin(UPLOAD, [slot])
+        if accepted:
+            self._uploads_pending += len(accepted)
+            self.counters["object_uploads_queued"] += len(accepted)
+            self._object_io.submit(self._upload_job, namespace, pool, accepted)
+        return len(accepted)
+
+    def _upload_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        try:
+            ok = self.object.put_many(namespace, [(key, pool.view(slot)) for key, slot in items])
+        except Exception:  # noqa: BLE001 - a failed upload is a lost copy, never a dead store
+            logger.exception("kvstrata node store: upload of %d chunks failed", len(items))
+            ok = [False] * len(items)
+        log = self._log(namespace)
+        for (key, _), uploaded in zip(items, ok):
+            if uploaded:
+                log.record(key, OBJECT, True)
+        with self._lock:
+            self._uploads_pending -= len(items)
+            pool.unpin(UPLOAD, [slot for _, slot in items])
+
+    def _refresh_object_index(self, namespace: str) -> None:
+        """List the namespace in the bucket now and then, to learn what other nodes stored."""
+        if self.object is None or namespace in self._listing:
+            return
+        now = self._clock()
+        if now - self._listed_at.get(namespace, float("-inf")) < self.config.tiers.object.index_refresh_seconds:
+            return
+        self._listing.add(namespace)
+        self._listed_at[namespace] = now
+        self._object_io.submit(self._list_job, namespace)
+
+    def _list_job(self, namespace: str) -> None:
+        log = self._log(namespace)
+        before = set(log.present(OBJECT))
+        try:
+            listed = self.object.list_keys(namespace)
+        except Exception:  # noqa: BLE001
+            logger.exception("kvstrata node store: listing namespace %s in the object store failed", namespace)
+            listed = None
+        if listed is not None:
+            for key in listed - before:
+                log.record(key, OBJECT, True)
+            for key in before - listed:  # gone (purged, expired by a bucket lifecycle rule)
+                log.record(key, OBJECT, False)
+        with self._lock:
+            self._listing.discard(namespace)
+
+    def _promote(
+        self,
+        namespace: str,
+        pool: SlotPool,
+        key: bytes,
+        from_disk: list[tuple[bytes, int]],
+        from_object: list[tuple[bytes, int]],
+    ) -> bool:
+        """Start (or join) bringing a chunk from disk or the object store into the arena.
+
+        False if it cannot be had (the engine then answers MISS).
+        """
         if (namespace, key) in self._promoting:
             return True
-        if self.disk is None or not self.disk.contains(namespace, key):
+        if self.disk is not None and self.disk.contains(namespace, key):
+            batch = from_disk
+        elif self.object is not None and self.object.available() and self._log(namespace).has(key, OBJECT):
+            batch = from_object
+        else:
             return False
         slots = pool.reserve(PROMOTE, 1)
         if not slots:
-            return False  # every slot is pinned: a miss now beats an engine waiting on us
+            # Slots held by write-backs free up in a moment: the engine asks again (its
+            # wait is bounded). Every slot pinned otherwise: a miss now beats waiting on us.
+            return pool.orphans > 0
         self._promoting.add((namespace, key))
         batch.append((key, slots[0]))
         return True
@@ -352,6 +496,25 @@ class NodeStore:
         except Exception:  # noqa: BLE001
             logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
             ok = [False] * len(items)
+        self._finish_promotions(namespace, pool, items, ok)
+
+    def _object_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        try:
+            ok = self.object.get_many(namespace, [(key, pool.view(slot)) for key, slot in items])
+        except Exception:  # noqa: BLE001
+            logger.exception("kvstrata node store: download of %d chunks failed", len(items))
+            ok = [False] * len(items)
+        log = self._log(namespace)
+        for (key, _), fetched in zip(items, ok):
+            if not fetched and self.object.available():
+                log.record(key, OBJECT, False)  # absent or corrupt, not just unreachable
+        with self._lock:
+            self.counters["object_promotions"] += sum(ok)
+        self._finish_promotions(namespace, pool, items, ok)
+
+    def _finish_promotions(
+        self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], ok: list[bool]
+    ) -> None:
         with self._lock:
             for (key, slot), promoted in zip(items, ok):
                 self._promoting.discard((namespace, key))

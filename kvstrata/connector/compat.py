@@ -59,10 +59,12 @@ def check_vllm_version() -> None:
 
 
 def make_event(keys: list[bytes], removed: bool, medium: str = "CPU") -> OffloadingEvent:
-    """An event of a node-local tier: `CPU` (the arena) or `STORAGE` (disk)."""
-    kwargs: dict[str, Any] = {"keys": keys, "medium": Medium(medium), "removed": removed}
+    """An event of a tier: `CPU` (the node arena), `STORAGE` (the node's disk) or
+    `OBJECT` (the shared object store: vLLM's STORAGE medium, remote)."""
+    remote = medium == "OBJECT"
+    kwargs: dict[str, Any] = {"keys": keys, "medium": Medium.STORAGE if remote else Medium(medium), "removed": removed}
     if Locality is not None:
-        kwargs["locality"] = Locality.LOCAL
+        kwargs["locality"] = Locality.REMOTE if remote else Locality.LOCAL
     return OffloadingEvent(**kwargs)
 
 

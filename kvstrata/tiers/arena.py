@@ -131,6 +131,11 @@ class SlotPool:
         return granted
 
     @property
+    def orphans(self) -> int:
+        """Evicted slots still held by a write-back: they free up as their copies finish."""
+        return len(self._orphans)
+
+    @property
     def max_slots(self) -> int:
         """Slots this pool could have if it had the whole arena budget."""
         return max(1, self.arena.capacity // self.geometry.slot_bytes)

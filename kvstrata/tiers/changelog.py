@@ -13,7 +13,8 @@ import threading
 from collections import deque
 
 CPU = "CPU"
-STORAGE = "STORAGE"
+STORAGE = "STORAGE"  # this node's disk
+OBJECT = "OBJECT"  # the object store every node shares
 LOG_LENGTH = 65536
 
 Change = tuple[bytes, str, bool]
@@ -60,6 +61,10 @@ class ChangeLog:
                     latest.pop((key, medium), None)
                     latest[(key, medium)] = present
             return self._seq, [(key, medium, present) for (key, medium), present in latest.items()]
+
+    def has(self, key: bytes, medium: str) -> bool:
+        with self._lock:
+            return (key, medium) in self._present
 
     def present(self, medium: str) -> list[bytes]:
         with self._lock:

@@ -1,0 +1,187 @@
+"""The object tier behind the manager: cross-node sharing through one bucket, write-back,
+integrity and an unreachable store, with in-process node stores over fsspec's memory://."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import numpy as np
+import pytest
+
+from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.config import load_config
+from kvstrata.connector.compat import Locality, LookupResult, Medium, ReqContext, ScheduleEndContext
+from kvstrata.connector.manager import StrataManager
+from tests.tiers.test_object_store import SwitchableFS
+from tests.utils import FakeClock, key, layout, store_config
+
+SLOT = 4096
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+
+
+@pytest.fixture
+def bucket():
+    url = f"memory://kvstrata-{uuid.uuid4().hex[:8]}/kv"
+    yield url
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def env(tmp_path, bucket, clock):
+    """Builds node stores (one per simulated node) and managers; closes them all afterwards."""
+    made = {"stores": [], "managers": []}
+
+    def store(node="a", slots=8, reserve_slots=2, **object_extra):
+        cfg = store_config(tmp_path / node, capacity=slots * SLOT, reserve_slots=reserve_slots)
+        cfg["tiers"]["object"] = {"url": bucket, "index_refresh_seconds": 0.001, **object_extra}
+        (tmp_path / node).mkdir(exist_ok=True)
+        node_store = NodeStore(load_config(cfg), f"node-{node}", clock=clock)
+        made["stores"].append(node_store)
+        return node_store, load_config(cfg)
+
+    def manager(node_store, cfg, holder="engine"):
+        m = StrataManager(LocalStoreClient(node_store), layout(worker_bytes=SLOT), cfg, holder, enable_events=True)
+        made["managers"].append(m)
+        assert m.wait_idle(10)
+        return m
+
+    yield store, manager
+    for m in made["managers"]:
+        m.shutdown()
+    for s in made["stores"]:
+        s.close()
+
+
+def ctx(req="r"):
+    return ReqContext(req_id=req)
+
+
+def step(manager, store=None):
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    assert manager.wait_idle(10)
+    if store is not None:
+        assert store.wait_io(10)
+
+
+def store_chunks(store, manager, keys, seed=0):
+    out = manager.prepare_store(keys, ctx("w"))
+    assert out is not None and out.keys_to_store == list(keys)
+    pool = store.arena.pools[manager.namespace]
+    data = {}
+    for i, (k, slot) in enumerate(zip(keys, out.store_spec.block_ids)):
+        data[k] = np.random.default_rng(seed + i).integers(0, 256, SLOT, dtype=np.uint8)
+        pool.view(int(slot))[:] = data[k]
+    manager.complete_store(keys, ctx("w"))
+    step(manager, store)
+    return data
+
+
+def load(store, manager, keys, req="reader"):
+    """Drive lookups to an answer (RETRY -> step -> ...) and return the loaded bytes or the miss."""
+    for _ in range(10):
+        answers = [manager.lookup(k, ctx(req)) for k in keys]
+        if RETRY not in answers:
+            break
+        step(manager, store)
+    if answers != [HIT] * len(keys):
+        return answers
+    spec = manager.prepare_load(keys, ctx(req))
+    pool = store.arena.pools[manager.namespace]
+    loaded = {k: pool.view(int(slot)).copy() for k, slot in zip(keys, spec.block_ids)}
+    manager.complete_load(keys, ctx(req))
+    return loaded
+
+
+def test_a_chunk_stored_on_one_node_is_a_hit_on_another(env):
+    new_store, new_manager = env
+    store_a, cfg = new_store("a", slots=16, reserve_slots=4)
+    writer = new_manager(store_a, cfg, holder="writer")
+    keys = [key(i, group=i % 2) for i in range(4)]
+    data = store_chunks(store_a, writer, keys)
+    assert store_a.stats()["object"]["puts"] == 4
+
+    store_b, cfg_b = new_store("b", slots=16, reserve_slots=4)  # another node: its arena never saw these
+    reader = new_manager(store_b, cfg_b, holder="reader")
+    step(reader, store_b)  # its store listed the bucket
+    loaded = load(store_b, reader, keys)
+    assert all(np.array_equal(loaded[k], data[k]) for k in keys)
+    assert store_b.stats()["object_promotions"] == 4
+    assert reader.counters()["chunks_promoted"] == 4
+    remote = [e for e in reader.take_events() if e.medium == Medium.STORAGE and not e.removed]
+    assert {k for e in remote for k in e.keys} == set(keys)
+    if Locality is not None:
+        assert all(e.locality == Locality.REMOTE for e in remote)
+
+
+def test_chunks_already_in_the_bucket_are_not_stored_again(env):
+    new_store, new_manager = env
+    store_a, cfg = new_store("a")
+    store_chunks(store_a, new_manager(store_a, cfg, holder="a"), [key(1)])
+    store_b, cfg_b = new_store("b")
+    writer_b = new_manager(store_b, cfg_b, holder="b")
+    step(writer_b, store_b)
+    out = writer_b.prepare_store([key(1), key(2)], ctx("w"))
+    assert out.keys_to_store == [key(2)]  # no GPU->arena copy, no second upload
+
+
+def test_write_back_uploads_what_the_arena_evicts(env):
+    new_store, new_manager = env
+    store, cfg = new_store("a", slots=4, reserve_slots=1, write_policy="write_back")
+    manager = new_manager(store, cfg)
+    first = store_chunks(store, manager, [key(0)])
+    assert store.stats()["object"]["puts"] == 0  # nothing evicted yet
+    for i in range(1, 8):
+        store_chunks(store, manager, [key(i)], seed=i)
+        step(manager, store)
+    assert store.arena.pools[manager.namespace].lookup(key(0)) is None
+    loaded = load(store, manager, [key(0)])
+    assert np.array_equal(loaded[key(0)], first[key(0)])
+
+
+def test_a_corrupt_object_is_a_miss_and_counted(env):
+    new_store, new_manager = env
+    store_a, cfg = new_store("a")
+    store_chunks(store_a, new_manager(store_a, cfg, holder="a"), [key(1)])
+    tier = store_a.object
+    path = tier.object_path(new_manager(store_a, cfg, holder="x").namespace, key(1))
+    raw = bytearray(tier.fs.cat_file(path))
+    raw[-1] ^= 1
+    tier.fs.pipe_file(path, bytes(raw))
+
+    store_b, cfg_b = new_store("b")
+    reader = new_manager(store_b, cfg_b, holder="reader")
+    step(reader, store_b)
+    assert load(store_b, reader, [key(1)]) == [MISS]
+    assert store_b.stats()["object"]["corrupt_chunks"] == 1
+
+
+def test_an_unreachable_store_drops_uploads_misses_loads_and_recovers(env, clock):
+    new_store, new_manager = env
+    store, cfg = new_store("a", slots=4, reserve_slots=1, backoff_max_seconds=0.05)
+    manager = new_manager(store, cfg)
+    switch = SwitchableFS(store.object.fs)
+    store.object.fs = switch
+    switch.down = True
+    store_chunks(store, manager, [key(0)])
+    for i in range(1, 8):  # push key(0) out of the arena: it was never uploaded
+        store_chunks(store, manager, [key(i)], seed=i)
+    stats = store.stats()
+    assert stats["object"]["put_failures"] >= 1
+    assert stats["object"]["put_failures"] + stats["object_uploads_dropped"] + stats["object"]["skipped_while_paused"] >= 8
+    assert load(store, manager, [key(0)]) == [MISS]
+    switch.down = False
+    clock.advance(1)  # past the (at most 0.05 s) pause
+    assert store.object.available()
+    data = store_chunks(store, manager, [key(50)], seed=50)
+    assert store.stats()["object"]["puts"] >= 1
+    for i in range(51, 58):
+        store_chunks(store, manager, [key(i)], seed=i)
+    assert np.array_equal(load(store, manager, [key(50)], req="again")[key(50)], data[key(50)])
