@@ -1,7 +1,13 @@
 """Throughput of a kvstrata tier through the node store, beside references measured in the
-same run on the same directory.
+same run on the same directory or server.
 
     python benchmarks/tier_throughput.py --tier disk [--path /mnt/nvme/bench] [--total-mib 512]
+    python benchmarks/tier_throughput.py --tier object [--total-mib 256] [--concurrency 16]
+
+object: a SeaweedFS S3 server on 127.0.0.1 (started here); chunks committed to the arena
+are uploaded (write-through, `max_concurrency` requests in flight) and promoted back
+(GET, verify, commit into the arena). Reference: the raw s3fs client PUTting/GETting
+the same chunk-size objects from a thread pool at its best concurrency of 8/16/32.
 
 disk: chunks committed to the arena are cascaded to disk (write-through, `io_threads`
 I/O threads) and promoted back (read, verify, commit into the arena) through the node
@@ -144,13 +150,109 @@ def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads:
     return write_s, read_s, direct
 
 
+def kvstrata_object(server, shm_dir: str, chunk: int, count: int, concurrency: int) -> tuple[float, float]:
+    config = {
+        "tiers": {
+            "cpu": {"capacity": chunk * (count + 4), "segment_size": 256 << 20, "shm_dir": shm_dir},
+            "object": {
+                "url": "s3://bench/kvstrata",
+                "endpoint_url": server.endpoint_url,
+                "storage_options": server.storage_options(),
+                "max_concurrency": concurrency,
+                "queue_depth": count,
+                "timeouts": {"read_seconds": 30},
+            },
+        }
+    }
+    store = NodeStore(config, "bench-node")
+    try:
+        namespace = f"bench-{chunk}"
+        store.register("bench", namespace, chunk)
+        assert store.wait_io(60)  # the manifest and first listing are not part of the figure
+        pool = store.arena.pools[namespace]
+        slots = pool.reserve("bench", count)
+        rng = np.random.default_rng(0)
+        for slot in slots:
+            pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
+        keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(count)]
+        start = time.perf_counter()
+        store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys))))
+        assert store.wait_io(600)
+        write_s = time.perf_counter() - start
+        pool.drop_holder("bench")
+        pool.purge()  # the arena forgets them; the bucket keeps them
+        start = time.perf_counter()
+        reply = store.step(StepRequest("bench", namespace, pin=keys))
+        assert len(reply.pending) == count, "every chunk should be promoted from the object store"
+        assert store.wait_io(600)
+        read_s = time.perf_counter() - start
+        stats = store.stats()
+        assert stats["object_promotions"] == count and stats["object"]["corrupt_chunks"] == 0, stats["object"]
+    finally:
+        store.close()
+    return write_s, read_s
+
+
+def raw_s3fs(server, chunk: int, count: int) -> tuple[float, float, int, int]:
+    """Best PUT and GET times of plain s3fs over concurrency 8/16/32 (and which won)."""
+    fs = server.filesystem(config_kwargs={"max_pool_connections": 64, "read_timeout": 30})
+    body = os.urandom(chunk)
+    best_w, best_r, at_w, at_r = float("inf"), float("inf"), 0, 0
+    for concurrency in (8, 16, 32):
+        paths = [f"bench/raw-{chunk}/{i:06d}" for i in range(count)]
+        with ThreadPoolExecutor(concurrency) as pool:
+            start = time.perf_counter()
+            list(pool.map(lambda p: fs.pipe_file(p, body), paths))
+            write_s = time.perf_counter() - start
+            start = time.perf_counter()
+            list(pool.map(fs.cat_file, paths))
+            read_s = time.perf_counter() - start
+        fs.rm(f"bench/raw-{chunk}", recursive=True)
+        if write_s < best_w:
+            best_w, at_w = write_s, concurrency
+        if read_s < best_r:
+            best_r, at_r = read_s, concurrency
+    return best_w, best_r, at_w, at_r
+
+
+def object_main(total_mib: int, concurrency: int) -> None:
+    from kvstrata.s3_server import LocalS3Server
+
+    data_dir = tempfile.mkdtemp(prefix="kvstrata-bench-s3-", dir="/var/tmp")
+    shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
+    try:
+        with LocalS3Server(data_dir) as server:
+            server.filesystem().mkdir("bench")
+            print(f"object tier on SeaweedFS at {server.endpoint_url}, {total_mib} MiB per measurement, "
+                  f"tier concurrency {concurrency}")  # fmt: skip
+            print(f"{'chunk':>9} {'PUT GB/s':>9} {'GET GB/s':>9} {'raw PUT':>8} {'raw GET':>8} {'PUT/raw':>8} {'GET/raw':>8}")
+            for size_mib in (2, 8, 32):
+                chunk = size_mib << 20
+                count = max(4, total_mib // size_mib)
+                total = chunk * count
+                kw, kr = kvstrata_object(server, shm_dir, chunk, count, concurrency)
+                rw, rr, at_w, at_r = raw_s3fs(server, chunk, count)
+                gb = lambda s: total / s / 1e9  # noqa: E731
+                print(
+                    f"{size_mib:>6}MiB {gb(kw):>9.3f} {gb(kr):>9.3f} {gb(rw):>8.3f} {gb(rr):>8.3f}"
+                    f" {rw / kw:>8.2f} {rr / kr:>8.2f}   (raw best at {at_w}/{at_r} in flight)"
+                )
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tier", choices=["disk"], default="disk")
+    parser.add_argument("--tier", choices=["disk", "object"], default="disk")
+    parser.add_argument("--concurrency", type=int, default=16, help="object tier: max_concurrency")
     parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a temp dir in /var/tmp)")
     parser.add_argument("--total-mib", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.tier == "object":
+        object_main(args.total_mib if args.total_mib != 512 else 256, args.concurrency)
+        return
 
     directory = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=args.path or "/var/tmp")
     shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")

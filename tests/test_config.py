@@ -80,3 +80,19 @@ def test_disk_write_policy_is_checked():
         load_config({"tiers": {"disk": {"path": "/x", "capacity": "1GiB", "write_policy": "sometimes"}}})
     with pytest.raises(ConfigError, match=r"tiers\.disk\.path: Field required"):
         load_config({"tiers": {"disk": {"capacity": "1GiB"}}})
+
+
+def test_shipped_object_config_and_object_tier_checks():
+    cfg = load_config(REPO / "configs" / "object.yaml")
+    assert cfg.tiers.object.url == "s3://my-kv-bucket/kvstrata"
+    assert cfg.tiers.object.timeouts.read_seconds == 5
+    with pytest.raises(ConfigError, match=r"tiers\.object\.url"):
+        load_config({"tiers": {"object": {"url": "my-bucket/no-scheme"}}})
+    with pytest.raises(ConfigError, match=r"tiers\.object\.timeouts\.connect_seconds"):
+        load_config({"tiers": {"object": {"url": "s3://b/p", "timeouts": {"connect_seconds": 0}}}})
+
+
+def test_a_config_error_never_echoes_credentials():
+    with pytest.raises(ConfigError) as error:
+        load_config({"tiers": {"object": {"url": "s3://b/p", "storage_options": {"secret": "s3cr3t-value"}, "max_concurrency": 0}}})
+    assert "s3cr3t-value" not in str(error.value)
