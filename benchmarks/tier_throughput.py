@@ -107,6 +107,33 @@ def vllm_fs(directory: str, chunk: int, count: int, threads: int) -> tuple[float
     return write_s, read_s
 
 
+def cascade_and_promote(store: NodeStore, namespace: str, chunk: int, count: int) -> tuple[float, float]:
+    """Seconds to cascade `count` committed chunks out of the arena, and to promote them back.
+
+    Both clocks stop when the store reports no I/O in flight; the arena forgets the
+    chunks in between, so every one is read back from the tier under test.
+    """
+    store.register("bench", namespace, chunk)
+    assert store.wait_io(60)  # manifests and first listings are not part of the figure
+    pool = store.arena.pools[namespace]
+    slots = pool.reserve("bench", count)
+    rng = np.random.default_rng(0)
+    for slot in slots:
+        pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
+    keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(count)]
+    start = time.perf_counter()
+    store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys))))
+    assert store.wait_io(600)
+    write_s = time.perf_counter() - start
+    pool.drop_holder("bench")
+    pool.purge()  # the arena forgets them; the tier keeps them
+    start = time.perf_counter()
+    reply = store.step(StepRequest("bench", namespace, pin=keys))
+    assert len(reply.pending) == count, "every chunk should be promoted from the tier"
+    assert store.wait_io(600)
+    return write_s, time.perf_counter() - start
+
+
 def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float, bool]:
     disk_dir = os.path.join(directory, "kvstrata")
     config = {
@@ -122,25 +149,7 @@ def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads:
     }
     store = NodeStore(config, "bench-node")
     try:
-        namespace = "bench"
-        store.register("bench", namespace, chunk)
-        pool = store.arena.pools[namespace]
-        slots = pool.reserve("bench", count)
-        rng = np.random.default_rng(0)
-        for slot in slots:
-            pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
-        keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(count)]
-        start = time.perf_counter()
-        store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys))))
-        assert store.wait_io(600)
-        write_s = time.perf_counter() - start
-        pool.drop_holder("bench")
-        pool.purge()  # the arena forgets them; the disk keeps them
-        start = time.perf_counter()
-        reply = store.step(StepRequest("bench", namespace, pin=keys))
-        assert len(reply.pending) == count, "every chunk should be promoted from disk"
-        assert store.wait_io(600)
-        read_s = time.perf_counter() - start
+        write_s, read_s = cascade_and_promote(store, "bench", chunk, count)
         stats = store.stats()
         assert stats["promotions"] == count and stats["disk"]["corrupt_chunks"] == 0
         direct = all(stats["disk"]["direct_io"].values())
@@ -166,26 +175,7 @@ def kvstrata_object(server, shm_dir: str, chunk: int, count: int, concurrency: i
     }
     store = NodeStore(config, "bench-node")
     try:
-        namespace = f"bench-{chunk}"
-        store.register("bench", namespace, chunk)
-        assert store.wait_io(60)  # the manifest and first listing are not part of the figure
-        pool = store.arena.pools[namespace]
-        slots = pool.reserve("bench", count)
-        rng = np.random.default_rng(0)
-        for slot in slots:
-            pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
-        keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(count)]
-        start = time.perf_counter()
-        store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys))))
-        assert store.wait_io(600)
-        write_s = time.perf_counter() - start
-        pool.drop_holder("bench")
-        pool.purge()  # the arena forgets them; the bucket keeps them
-        start = time.perf_counter()
-        reply = store.step(StepRequest("bench", namespace, pin=keys))
-        assert len(reply.pending) == count, "every chunk should be promoted from the object store"
-        assert store.wait_io(600)
-        read_s = time.perf_counter() - start
+        write_s, read_s = cascade_and_promote(store, f"bench-{chunk}", chunk, count)
         stats = store.stats()
         assert stats["object_promotions"] == count and stats["object"]["corrupt_chunks"] == 0, stats["object"]
     finally:
