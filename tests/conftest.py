@@ -4,3 +4,19 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+import uuid  # noqa: E402
+
+import fsspec  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def memory_bucket():
+    """A fresh fsspec memory:// object-store root, emptied after the test."""
+    url = f"memory://kvstrata-{uuid.uuid4().hex[:8]}/kv"
+    yield url
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

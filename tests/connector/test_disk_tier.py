@@ -10,12 +10,12 @@ import pytest
 
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
-from kvstrata.connector.compat import LookupResult, Medium, ReqContext, ScheduleEndContext
+from kvstrata.connector.compat import LookupResult, Medium
 from kvstrata.connector.manager import StrataManager
 from kvstrata.tiers.disk import HEADER_BYTES
+from tests.connector.harness import SLOT, ctx, step, store_chunks
 from tests.utils import key, layout, store_config
 
-SLOT = 4096
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
 
@@ -42,29 +42,6 @@ def env(tmp_path):
         m.shutdown()
     for s in made["stores"]:
         s.close()
-
-
-def ctx(req="r"):
-    return ReqContext(req_id=req)
-
-
-def step(manager):
-    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-    assert manager.wait_idle(10)
-
-
-def store_chunks(store, manager, keys, seed=0):
-    """Write random bytes for each key through prepare_store/complete_store; returns them."""
-    out = manager.prepare_store(keys, ctx("w"))
-    assert out is not None and out.keys_to_store == list(keys)
-    pool = store.arena.pools[manager.namespace]
-    data = {}
-    for i, (k, slot) in enumerate(zip(keys, out.store_spec.block_ids)):
-        data[k] = np.random.default_rng(seed + i).integers(0, 256, SLOT, dtype=np.uint8)
-        pool.view(int(slot))[:] = data[k]
-    manager.complete_store(keys, ctx("w"))
-    step(manager)
-    return data
 
 
 def push_out_of_arena(store, manager, keys, start=100):

@@ -3,30 +3,20 @@ integrity and an unreachable store, with in-process node stores over fsspec's me
 
 from __future__ import annotations
 
-import uuid
 
-import fsspec
 import numpy as np
 import pytest
 
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
-from kvstrata.connector.compat import Locality, LookupResult, Medium, ReqContext, ScheduleEndContext
+from kvstrata.connector.compat import Locality, LookupResult, Medium
 from kvstrata.connector.manager import StrataManager
 from tests.tiers.test_object_store import SwitchableFS
+from tests.connector.harness import SLOT, ctx, step
+from tests.connector.harness import store_chunks as store_settled
 from tests.utils import FakeClock, key, layout, store_config
 
-SLOT = 4096
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-
-
-@pytest.fixture
-def bucket():
-    url = f"memory://kvstrata-{uuid.uuid4().hex[:8]}/kv"
-    yield url
-    fs, path = fsspec.core.url_to_fs(url)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
 
 
 @pytest.fixture
@@ -35,13 +25,13 @@ def clock():
 
 
 @pytest.fixture
-def env(tmp_path, bucket, clock):
+def env(tmp_path, memory_bucket, clock):
     """Builds node stores (one per simulated node) and managers; closes them all afterwards."""
     made = {"stores": [], "managers": []}
 
     def store(node="a", slots=8, reserve_slots=2, **object_extra):
         cfg = store_config(tmp_path / node, capacity=slots * SLOT, reserve_slots=reserve_slots)
-        cfg["tiers"]["object"] = {"url": bucket, "index_refresh_seconds": 0.001, **object_extra}
+        cfg["tiers"]["object"] = {"url": memory_bucket, "index_refresh_seconds": 0.001, **object_extra}
         (tmp_path / node).mkdir(exist_ok=True)
         node_store = NodeStore(load_config(cfg), f"node-{node}", clock=clock)
         made["stores"].append(node_store)
@@ -60,28 +50,8 @@ def env(tmp_path, bucket, clock):
         s.close()
 
 
-def ctx(req="r"):
-    return ReqContext(req_id=req)
-
-
-def step(manager, store=None):
-    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-    assert manager.wait_idle(10)
-    if store is not None:
-        assert store.wait_io(10)
-
-
 def store_chunks(store, manager, keys, seed=0):
-    out = manager.prepare_store(keys, ctx("w"))
-    assert out is not None and out.keys_to_store == list(keys)
-    pool = store.arena.pools[manager.namespace]
-    data = {}
-    for i, (k, slot) in enumerate(zip(keys, out.store_spec.block_ids)):
-        data[k] = np.random.default_rng(seed + i).integers(0, 256, SLOT, dtype=np.uint8)
-        pool.view(int(slot))[:] = data[k]
-    manager.complete_store(keys, ctx("w"))
-    step(manager, store)
-    return data
+    return store_settled(store, manager, keys, seed=seed, settle=True)
 
 
 def load(store, manager, keys, req="reader"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 
 import fsspec
 import numpy as np
@@ -18,12 +17,8 @@ SIZE = 8192
 
 
 @pytest.fixture
-def url():
-    root = f"memory://kvstrata-{uuid.uuid4().hex[:8]}/kv"
-    yield root
-    fs, path = fsspec.core.url_to_fs(root)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+def url(memory_bucket):
+    return memory_bucket
 
 
 def tier_for(url, clock=None, **overrides):
