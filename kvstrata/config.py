@@ -120,6 +120,11 @@ class ObjectTierConfig(_Strict):
     backoff_max_seconds: float = Field(
         default=30.0, gt=0, description="longest pause of the tier after failures before it tries the store again"
     )
+    get_client: Literal["auto", "pyarrow", "fsspec"] = Field(
+        default="auto",
+        description="client of chunk GETs: auto = pyarrow's S3 client for s3:// when the options allow, "
+        "else fsspec (uploads, listing and manifests always use fsspec)",
+    )
 
 
 class TiersConfig(_Strict):

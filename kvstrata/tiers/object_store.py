@@ -40,6 +40,7 @@ import numpy as np
 
 from kvstrata.config import ObjectTierConfig
 from kvstrata.keys import key_name, make_key
+from kvstrata.tiers.object_clients import open_chunk_reader
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class ObjectTier:
         if isinstance(self.fs, fsspec.asyn.AsyncFileSystem):
             per_try = config.timeouts.connect_seconds + config.timeouts.read_seconds
             self._deadline = {"timeout": config.max_attempts * per_try + 1.0}
+        self.reader, why = open_chunk_reader(config, self.fs, self._deadline)
+        logger.info("kvstrata object tier %s: chunk GETs through %s (%s)", self._scrub(config.url), self.reader.name, why)
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvstrata-object")
         self._lock = threading.Lock()
         self._paused_until = 0.0
@@ -235,13 +238,13 @@ class ObjectTier:
         if not self.available():
             self._count("skipped_while_paused")
             return False
-        body = np.empty(HEADER_BYTES + payload.nbytes, dtype=np.uint8)
+        body = bytearray(HEADER_BYTES + payload.nbytes)  # the one copy: s3fs wants a whole body
         RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(
             memoryview(body)[:HEADER_BYTES]
         )
-        body[HEADER_BYTES:] = payload.reshape(-1).view(np.uint8)
+        memoryview(body)[HEADER_BYTES:] = memoryview(payload.reshape(-1).view(np.uint8))
         try:
-            self.fs.pipe_file(self.object_path(namespace, key), body.tobytes(), **self._deadline)
+            self.fs.pipe_file(self.object_path(namespace, key), body, **self._deadline)
         except Exception as exc:  # noqa: BLE001 - an upload that fails is a dropped copy
             self._count("put_failures")
             self._failed("upload", exc)
@@ -255,7 +258,7 @@ class ObjectTier:
             self._count("skipped_while_paused")
             return False
         try:
-            data = self.fs.cat_file(self.object_path(namespace, key), **self._deadline)
+            data = self.reader.get(self.object_path(namespace, key), HEADER_BYTES + out.nbytes)
         except FileNotFoundError:
             self._count("not_found")
             self._succeeded()  # the store answered

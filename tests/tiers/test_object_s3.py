@@ -35,9 +35,8 @@ def server(tmp_path_factory):
 
 
 def tier_for(server, url="s3://kvstrata/kv", **overrides):
-    config = ObjectTierConfig(
-        url=url, endpoint_url=server.endpoint_url, storage_options=server.storage_options(), **{**FAST, **overrides}
-    )
+    settings = {"endpoint_url": server.endpoint_url, "storage_options": server.storage_options(), **FAST}
+    config = ObjectTierConfig(url=url, **{**settings, **overrides})
     return ObjectTier(config)
 
 
@@ -45,8 +44,10 @@ def chunk(i: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8)
 
 
-def test_chunks_round_trip_through_s3_bit_exact(server):
-    tier = tier_for(server)
+@pytest.mark.parametrize("get_client", ["pyarrow", "fsspec"])
+def test_chunks_round_trip_through_s3_bit_exact(server, get_client):
+    tier = tier_for(server, get_client=get_client)
+    assert tier.reader.name == get_client
     items = [(key(i, group=i % 2), chunk(i)) for i in range(16)]
     assert tier.put_many(NS, items) == [True] * 16
     outs = [(k, np.zeros(SIZE, np.uint8)) for k, _ in items]
@@ -56,17 +57,35 @@ def test_chunks_round_trip_through_s3_bit_exact(server):
     tier.close()
 
 
-def test_an_object_overwritten_through_the_s3_api_is_a_miss(server):
-    tier = tier_for(server)
+@pytest.mark.parametrize("get_client", ["pyarrow", "fsspec"])
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "extended"])
+def test_an_object_overwritten_through_the_s3_api_is_a_miss(server, get_client, damage):
+    tier = tier_for(server, get_client=get_client)
     tier.put_many(NS, [(key(100), chunk(100))])
     path = tier.object_path(NS, key(100))
     fs = server.filesystem()
     raw = bytearray(fs.cat_file(path))
-    raw[len(raw) // 2] ^= 0x01
+    if damage == "flipped byte":
+        raw[len(raw) // 2] ^= 0x01
+    elif damage == "truncated":
+        del raw[-1]
+    else:
+        raw += b"\0"
     fs.pipe_file(path, bytes(raw))
-    assert tier.get_many(NS, [(key(100), np.zeros(SIZE, np.uint8))]) == [False]
-    assert tier.counters["corrupt_chunks"] == 1
+    out = np.zeros(SIZE, np.uint8)
+    assert tier.get_many(NS, [(key(100), out)]) == [False]
+    assert tier.counters["corrupt_chunks"] == 1 and tier.available()
     tier.close()
+
+
+def test_get_client_auto_is_pyarrow_for_s3_unless_an_option_has_no_pyarrow_equivalent(server, caplog):
+    with caplog.at_level(logging.INFO, logger="kvstrata"):
+        assert tier_for(server).reader.name == "pyarrow"
+        fallback = tier_for(server, storage_options={**server.storage_options(), "requester_pays": False})
+    assert fallback.reader.name == "fsspec"
+    assert "'requester_pays' has no pyarrow equivalent" in caplog.text
+    with pytest.raises(ValueError, match="requester_pays"):
+        tier_for(server, get_client="pyarrow", storage_options={**server.storage_options(), "requester_pays": False})
 
 
 def test_wrong_credentials_fail_fast_counted_and_never_logged(server, caplog):
@@ -139,4 +158,24 @@ def test_a_black_holed_server_costs_one_timeout_not_one_per_chunk():
         started = time.monotonic()
         assert tier.get_many(NS, [(key(1), np.zeros(SIZE, np.uint8))]) == [False]
         assert time.monotonic() - started < 0.5  # paused: answered at once
+        tier.close()
+
+
+@pytest.mark.parametrize("get_client", ["pyarrow", "fsspec"])
+def test_a_get_from_a_black_holed_server_gives_up_within_its_timeouts(get_client):
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)
+        config = ObjectTierConfig(
+            url="s3://kvstrata/kv",
+            endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
+            storage_options={"key": "access-key-id", "secret": "secret-access-key"},
+            get_client=get_client,
+            **FAST,
+        )
+        tier = ObjectTier(config)
+        started = time.monotonic()
+        assert tier.get_many(NS, [(key(i), np.zeros(SIZE, np.uint8)) for i in range(8)]) == [False] * 8
+        assert time.monotonic() - started < 2 * (1 + 1) + 5
+        assert tier.counters["get_failures"] >= 1 and not tier.available()
         tier.close()

@@ -140,3 +140,32 @@ def test_the_pause_grows_while_the_store_keeps_failing(url):
         clock.advance(pauses[-1])
     assert pauses[-1] <= 4 and max(pauses) > pauses[0]
     tier.close()
+
+
+def test_pyarrow_gets_serve_s3_urls_only(url):
+    assert tier_for(url).reader.name == "fsspec"
+    with pytest.raises(ValueError, match="tiers.object.get_client: pyarrow serves s3:// URLs only, not memory://"):
+        tier_for(url, get_client="pyarrow")
+
+
+def test_s3_options_translate_to_pyarrow_or_say_why_not(monkeypatch):
+    from kvstrata.tiers.object_clients import pyarrow_s3_options
+
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    options = pyarrow_s3_options(
+        ObjectTierConfig(
+            url="s3://bucket/kv",
+            endpoint_url="http://127.0.0.1:9000",
+            storage_options={"key": "id", "secret": "sk", "config_kwargs": {"read_timeout": 9}},
+            timeouts={"connect_seconds": 3, "read_seconds": 4},
+        )
+    )
+    assert {k: options[k] for k in ("access_key", "secret_key", "endpoint_override", "scheme")} == {
+        "access_key": "id", "secret_key": "sk", "endpoint_override": "127.0.0.1:9000", "scheme": "http"
+    }  # fmt: skip
+    assert (options["connect_timeout"], options["request_timeout"]) == (3, 9)  # botocore setting wins, as in s3fs
+    no_region = pyarrow_s3_options(ObjectTierConfig(url="s3://bucket/kv"))
+    assert no_region.startswith("neither endpoint_url nor a region")
+    with_region = pyarrow_s3_options(ObjectTierConfig(url="s3://b/kv", storage_options={"client_kwargs": {"region_name": "eu-west-1"}}))
+    assert with_region["region"] == "eu-west-1" and "endpoint_override" not in with_region
