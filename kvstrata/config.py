@@ -115,10 +115,21 @@ class ObjectTierConfig(_Strict):
     )
     queue_depth: int = Field(default=256, ge=1, description="uploads waiting at most; more are dropped and counted")
     index_refresh_seconds: float = Field(
-        default=30.0, gt=0, description="how often a node store lists the bucket to learn chunks other nodes stored"
+        default=30.0,
+        gt=0,
+        description="how often a node store lists `url` (the sweep) to learn chunks other nodes stored, "
+        "and to apply `capacity` and `ttl_seconds`",
     )
     backoff_max_seconds: float = Field(
         default=30.0, gt=0, description="longest pause of the tier after failures before it tries the store again"
+    )
+    capacity: ByteSize | None = Field(
+        default=None,
+        gt=0,
+        description="bytes of chunk objects under `url` at most; each sweep deletes the oldest-written beyond it",
+    )
+    ttl_seconds: float | None = Field(
+        default=None, gt=0, description="chunk objects written longer ago than this are deleted by the next sweep"
     )
     get_client: Literal["auto", "pyarrow", "fsspec"] = Field(
         default="auto",

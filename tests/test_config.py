@@ -90,6 +90,12 @@ def test_shipped_object_config_and_object_tier_checks():
         load_config({"tiers": {"object": {"url": "my-bucket/no-scheme"}}})
     with pytest.raises(ConfigError, match=r"tiers\.object\.timeouts\.connect_seconds"):
         load_config({"tiers": {"object": {"url": "s3://b/p", "timeouts": {"connect_seconds": 0}}}})
+    limited = load_config({"tiers": {"object": {"url": "s3://b/p", "capacity": "2TiB", "ttl_seconds": 86400}}})
+    assert (limited.tiers.object.capacity, limited.tiers.object.ttl_seconds) == (2 * 1024**4, 86400)
+    with pytest.raises(ConfigError, match=r"tiers\.object\.ttl_seconds"):
+        load_config({"tiers": {"object": {"url": "s3://b/p", "ttl_seconds": -1}}})
+    with pytest.raises(ConfigError, match=r"tiers\.object\.get_client"):
+        load_config({"tiers": {"object": {"url": "s3://b/p", "get_client": "boto3"}}})
 
 
 def test_a_config_error_never_echoes_credentials():

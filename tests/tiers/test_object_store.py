@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timedelta, timezone
 
 import fsspec
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from kvstrata.config import ObjectTierConfig
 from kvstrata.tiers.object_store import ObjectTier
+from kvstrata.tiers.records import HEADER_BYTES
 from tests.utils import FakeClock, key
 
 NS = "ns-test"
@@ -99,6 +101,13 @@ class SwitchableFS:
 
         return call
 
+    @classmethod
+    def install(cls, tier: ObjectTier) -> "SwitchableFS":
+        """Put a switch in front of a running tier's filesystem, uploads and GETs alike."""
+        switch = cls(tier.fs)
+        tier.fs = tier.reader.fs = switch
+        return switch
+
 
 def test_a_failing_store_pauses_the_tier_then_recovers(url, caplog):
     clock = FakeClock()
@@ -169,3 +178,52 @@ def test_s3_options_translate_to_pyarrow_or_say_why_not(monkeypatch):
     assert no_region.startswith("neither endpoint_url nor a region")
     with_region = pyarrow_s3_options(ObjectTierConfig(url="s3://b/kv", storage_options={"client_kwargs": {"region_name": "eu-west-1"}}))
     assert with_region["region"] == "eu-west-1" and "endpoint_override" not in with_region
+
+
+def written(tier, namespace, k, when: datetime) -> None:
+    """Backdate an object of the memory:// store (its listing reports `created`)."""
+    tier.fs.store[tier.object_path(namespace, k)].created = when
+
+
+def test_a_sweep_deletes_the_oldest_written_objects_beyond_capacity(url):
+    record = HEADER_BYTES + SIZE
+    tier = tier_for(url, capacity=3 * record)
+    base = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    tier.put_many(NS, [(key(i), chunk(i)) for i in range(3)])
+    tier.put_many("other", [(key(i), chunk(i)) for i in range(3, 5)])
+    for age, (namespace, i) in enumerate([(NS, 0), ("other", 3), (NS, 1), (NS, 2), ("other", 4)]):
+        written(tier, namespace, key(i), base + timedelta(minutes=age))
+    kept = tier.apply_limits(tier.scan())
+    # The capacity covers the whole URL, every namespace: the two oldest writes go.
+    assert {(e.namespace, e.key) for e in kept} == {(NS, key(1)), (NS, key(2)), ("other", key(4))}
+    assert tier.list_keys(NS) == {key(1), key(2)} and tier.list_keys("other") == {key(4)}
+    assert tier.counters["evicted"] == 2 and tier.counters["expired"] == 0
+    assert tier.apply_limits(tier.scan()) == kept  # within capacity: nothing more goes
+    tier.close()
+
+
+def test_a_sweep_deletes_objects_older_than_the_ttl(url):
+    now = datetime(2026, 6, 1, tzinfo=timezone.utc)
+    tier = ObjectTier(ObjectTierConfig(url=url, ttl_seconds=3600), clock=FakeClock(), wall_clock=now.timestamp)
+    tier.put_many(NS, [(key(i), chunk(i)) for i in range(3)])
+    written(tier, NS, key(0), now - timedelta(hours=2))
+    written(tier, NS, key(1), now - timedelta(minutes=59))
+    written(tier, NS, key(2), now - timedelta(days=9))
+    kept = tier.apply_limits(tier.scan())
+    assert [e.key for e in kept] == [key(1)] and tier.list_keys(NS) == {key(1)}
+    assert tier.counters["expired"] == 2
+    tier.close()
+
+
+def test_a_sweep_that_cannot_delete_keeps_its_entries_and_pauses(url):
+    fs, root = fsspec.core.url_to_fs(url)
+    switch = SwitchableFS(fs)
+    tier = ObjectTier(ObjectTierConfig(url=url, ttl_seconds=1), clock=FakeClock(), filesystem=(switch, root),
+                      wall_clock=lambda: 4e9)  # fmt: skip
+    tier.put_many(NS, [(key(1), chunk(1))])
+    entries = tier.scan()
+    switch.down = True
+    assert tier.apply_limits(entries) == entries and not tier.available()
+    switch.down = False
+    assert tier.list_keys(NS) is None  # paused, not answered wrongly
+    tier.close()
