@@ -131,10 +131,10 @@ class ObjectTierConfig(_Strict):
     ttl_seconds: float | None = Field(
         default=None, gt=0, description="chunk objects written longer ago than this are deleted by the next sweep"
     )
-    get_client: Literal["auto", "pyarrow", "fsspec"] = Field(
+    client: Literal["auto", "pyarrow", "fsspec"] = Field(
         default="auto",
-        description="client of chunk GETs: auto = pyarrow's S3 client for s3:// when the options allow, "
-        "else fsspec (uploads, listing and manifests always use fsspec)",
+        description="client of chunk PUTs and GETs: auto = pyarrow's S3 client for s3:// when the options "
+        "allow, else fsspec (listing, manifests and removals always use fsspec)",
     )
 
 

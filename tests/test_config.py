@@ -94,8 +94,8 @@ def test_shipped_object_config_and_object_tier_checks():
     assert (limited.tiers.object.capacity, limited.tiers.object.ttl_seconds) == (2 * 1024**4, 86400)
     with pytest.raises(ConfigError, match=r"tiers\.object\.ttl_seconds"):
         load_config({"tiers": {"object": {"url": "s3://b/p", "ttl_seconds": -1}}})
-    with pytest.raises(ConfigError, match=r"tiers\.object\.get_client"):
-        load_config({"tiers": {"object": {"url": "s3://b/p", "get_client": "boto3"}}})
+    with pytest.raises(ConfigError, match=r"tiers\.object\.client"):
+        load_config({"tiers": {"object": {"url": "s3://b/p", "client": "boto3"}}})
 
 
 def test_a_config_error_never_echoes_credentials():

@@ -1,18 +1,17 @@
-"""The clients that fetch chunk objects (the bulk read path of the object tier).
+"""The clients that move chunk objects (the bulk path of the object tier).
 
-Listing, manifests, removals and uploads always go through fsspec, whatever the URL.
-Chunk GETs go through the fastest client that can honour the configured URL,
-credentials and timeouts:
+Listing, manifests and removals always go through fsspec, whatever the URL. Chunk PUTs
+and GETs go through the fastest client that can honour the configured URL and
+credentials:
 
-- `PyArrowS3Reader`, for `s3://` URLs: pyarrow's C++ S3 client. Measured here against
-  SeaweedFS on loopback (16 requests in flight, medians of 3): GETs as fast as s3fs at
-  best and far steadier (README). Each request is bounded by libcurl's connect and
-  low-speed timeouts and the SDK's retry strategy (max_attempts, backoff with jitter):
-  a black-holed endpoint fails a GET in attempts x read timeout.
-  Not used for PUTs: measured, a PUT with a body against a black-holed endpoint takes
-  ~8 s per attempt whatever the configured timeouts, where s3fs under the tier's hard
-  per-call deadline gives up on time; and pyarrow PUTs were no faster here.
-- `FsspecReader`, for every other URL (`gs://`, `file://`, `memory://`, ...) and for S3
+- `PyArrowS3Client`, for `s3://` URLs: pyarrow's C++ S3 client. Measured here against
+  SeaweedFS on loopback: GETs as fast as s3fs at best and far steadier, PUTs up to 1.6x
+  s3fs for 32 MiB objects (it uploads parts in parallel) (README). Requests are bounded
+  by libcurl's connect and low-speed timeouts and the SDK's retry strategy
+  (max_attempts, backoff with jitter) -- but measured, a PUT with a body against a
+  black-holed endpoint takes ~8 s per attempt whatever the timeouts, so the tier bounds
+  every batch itself (see `ObjectTier`) and hands this client private copies only.
+- `FsspecClient`, for every other URL (`gs://`, `file://`, `memory://`, ...) and for S3
   options pyarrow cannot express (a profile, a custom botocore config, ...).
 """
 
@@ -32,31 +31,41 @@ PYARROW_CREDENTIALS = {"key": "access_key", "secret": "secret_key", "token": "se
 TIER_BOTOCORE_SETTINGS = {"connect_timeout", "read_timeout", "retries", "max_pool_connections"}
 
 
-class ChunkReader(Protocol):
+class ChunkClient(Protocol):
     name: str
+
+    def put(self, path: str, body: bytes) -> None:
+        """Write one whole object. Raises on failure."""
 
     def get(self, path: str, expected_bytes: int) -> bytes | memoryview:
         """The object's bytes (any length: the caller verifies). FileNotFoundError if absent."""
 
 
-class FsspecReader:
+class FsspecClient:
     name = "fsspec"
 
     def __init__(self, fs: fsspec.AbstractFileSystem, call_options: Mapping[str, Any]):
         self.fs = fs
         self._call_options = dict(call_options)
 
+    def put(self, path: str, body: bytes) -> None:
+        self.fs.pipe_file(path, body, **self._call_options)
+
     def get(self, path: str, expected_bytes: int) -> bytes:
         return self.fs.cat_file(path, **self._call_options)
 
 
-class PyArrowS3Reader:
+class PyArrowS3Client:
     name = "pyarrow"
 
     def __init__(self, options: Mapping[str, Any]):
         from pyarrow import fs as pafs
 
         self.fs = pafs.S3FileSystem(**options)
+
+    def put(self, path: str, body: bytes) -> None:
+        with self.fs.open_output_stream(path, metadata={}) as stream:
+            stream.write(body)
 
     def get(self, path: str, expected_bytes: int) -> memoryview:
         with self.fs.open_input_file(path) as source:
@@ -98,24 +107,26 @@ def pyarrow_s3_options(config: ObjectTierConfig) -> dict[str, Any] | str:
         connect_timeout=config_kwargs.get("connect_timeout", config.timeouts.connect_seconds),
         request_timeout=config_kwargs.get("read_timeout", config.timeouts.read_seconds),
         retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=config.max_attempts),
+        # One PutObject for chunks below the multipart size, not Create + UploadPart + Complete.
+        allow_delayed_open=True,
     )
     return arguments
 
 
-def open_chunk_reader(
+def open_chunk_client(
     config: ObjectTierConfig, fs: fsspec.AbstractFileSystem, call_options: Mapping[str, Any]
-) -> tuple[ChunkReader, str]:
-    """The GET client for this configuration, and why it was chosen (for the one start-up log line)."""
+) -> tuple[ChunkClient, str]:
+    """The chunk client for this configuration, and why it was chosen (for the one start-up log line)."""
     protocol = config.url.split("://", 1)[0]
-    if config.get_client == "fsspec":
-        return FsspecReader(fs, call_options), "configured"
+    if config.client == "fsspec":
+        return FsspecClient(fs, call_options), "configured"
     if protocol not in ("s3", "s3a"):
-        if config.get_client == "pyarrow":
-            raise ValueError(f"tiers.object.get_client: pyarrow serves s3:// URLs only, not {protocol}://")
-        return FsspecReader(fs, call_options), f"pyarrow serves s3:// only, not {protocol}://"
+        if config.client == "pyarrow":
+            raise ValueError(f"tiers.object.client: pyarrow serves s3:// URLs only, not {protocol}://")
+        return FsspecClient(fs, call_options), f"pyarrow serves s3:// only, not {protocol}://"
     options = pyarrow_s3_options(config)
     if isinstance(options, str):
-        if config.get_client == "pyarrow":
-            raise ValueError(f"tiers.object.get_client: pyarrow cannot be used: {options}")
-        return FsspecReader(fs, call_options), options
-    return PyArrowS3Reader(options), "s3:// URL"
+        if config.client == "pyarrow":
+            raise ValueError(f"tiers.object.client: pyarrow cannot be used: {options}")
+        return FsspecClient(fs, call_options), options
+    return PyArrowS3Client(options), "s3:// URL"

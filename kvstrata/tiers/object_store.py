@@ -13,7 +13,12 @@ Invariants:
   its bytes are handed out; a mismatch is a miss and a `corrupt_chunks` count.
 - No call waits without bound: S3 requests carry connect/read timeouts and at most
   `max_attempts` tries (botocore's adaptive retry mode: exponential backoff with jitter,
-  and a client-side rate limit that slows down while the server throttles). After a
+  and a client-side rate limit that slows down while the server throttles; pyarrow's
+  standard retry strategy). On top, every request has a deadline of `max_attempts x
+  (connect + read) + 1 s`: s3fs calls are abandoned by fsspec at that point, and a batch
+  stops waiting once that long passes with none of its requests (pyarrow's) finishing. An abandoned GET never
+  writes into its buffer afterwards, and an abandoned PUT only holds a private copy, so
+  the caller may reuse its slots at once. After a
   failure the tier pauses (doubling up to `backoff_max_seconds`, with jitter): while
   paused, uploads are dropped and reads miss at once, counted, so a dead or black-holed
   server costs one timeout, not one per chunk. The first call after the pause probes it.
@@ -36,7 +41,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -47,7 +52,7 @@ import numpy as np
 
 from kvstrata.config import ObjectTierConfig
 from kvstrata.keys import key_name, make_key
-from kvstrata.tiers.object_clients import open_chunk_reader
+from kvstrata.tiers.object_clients import open_chunk_client
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest
 
 logger = logging.getLogger(__name__)
@@ -68,6 +73,14 @@ class ObjectEntry:
     path: str
     size: int
     written_at: float  # seconds since the epoch; 0.0 when the filesystem does not say
+
+
+class _Batch:
+    """One put_many/get_many call: whether its caller stopped waiting (and took its buffers back)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
 
 
 def _written_at(info: Mapping[str, Any]) -> float:
@@ -129,12 +142,15 @@ class ObjectTier:
         # A hard deadline on every call of an async filesystem (s3fs): measured here, an
         # endpoint that accepts connections and never answers outlives botocore's read
         # timeout. fsspec's `sync` abandons the call after this many seconds.
+        per_try = config.timeouts.connect_seconds + config.timeouts.read_seconds
+        self.request_deadline = config.max_attempts * per_try + 1.0
         self._deadline: dict[str, float] = {}
         if isinstance(self.fs, fsspec.asyn.AsyncFileSystem):
-            per_try = config.timeouts.connect_seconds + config.timeouts.read_seconds
-            self._deadline = {"timeout": config.max_attempts * per_try + 1.0}
-        self.reader, why = open_chunk_reader(config, self.fs, self._deadline)
-        logger.info("kvstrata object tier %s: chunk GETs through %s (%s)", self._scrub(config.url), self.reader.name, why)
+            self._deadline = {"timeout": self.request_deadline}
+        self.client, why = open_chunk_client(config, self.fs, self._deadline)
+        logger.info(
+            "kvstrata object tier %s: chunk PUTs and GETs through %s (%s)", self._scrub(config.url), self.client.name, why
+        )
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="kvstrata-object")
         self._lock = threading.Lock()
         self._paused_until = 0.0
@@ -176,11 +192,11 @@ class ObjectTier:
 
     def put_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
         """Upload chunks concurrently; True for each one now readable by every node."""
-        return self._fan_out(self._put, namespace, items)
+        return self._fan_out(self._put, "upload", namespace, items)
 
     def get_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
         """Download and verify chunks into `out` buffers; False is a miss (absent, corrupt, failed)."""
-        return self._fan_out(self._get, namespace, items)
+        return self._fan_out(self._get, "download", namespace, items)
 
     def remove(self, namespace: str, key: bytes) -> bool:
         try:
@@ -315,25 +331,45 @@ class ObjectTier:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _fan_out(self, op: Callable, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
+    def _fan_out(self, op: Callable, what: str, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
         if not items:
             return []
         if not self._admit(len(items)):
             return [False] * len(items)
-        futures = [self._pool.submit(op, namespace, key, buffer) for key, buffer in items]
-        return [future.result() for future in futures]
+        batch = _Batch()
+        futures = [self._pool.submit(op, batch, namespace, key, buffer) for key, buffer in items]
+        late = set(futures)
+        while late:  # give up once a whole request deadline passes with no request finishing
+            finished, late = wait(late, timeout=self.request_deadline)
+            if not finished:
+                break
+        if late:
+            with batch.lock:  # from here on, no request of this batch touches its buffers
+                batch.abandoned = True
+            queued = sum(future.cancel() for future in late)  # never started: as if paused
+            with self._lock:
+                self.counters["put_failures" if what == "upload" else "get_failures"] += len(late) - queued
+                self.counters["skipped_while_paused"] += queued
+            self._failed(what, TimeoutError(f"{len(late) - queued} requests still running after their deadline"))
+        return [future.done() and not future.cancelled() and future.result() for future in futures]
 
-    def _put(self, namespace: str, key: bytes, payload: np.ndarray) -> bool:
+    def _put(self, batch: _Batch, namespace: str, key: bytes, payload: np.ndarray) -> bool:
         if not self.available():
             self._count("skipped_while_paused")
             return False
         header = bytearray(HEADER_BYTES)
-        RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(memoryview(header))
-        # The one copy: s3fs wants the whole body, and as `bytes` (measured: a bytearray
-        # body uploads slower through botocore).
-        body = b"".join((header, memoryview(payload.reshape(-1).view(np.uint8))))
+        with batch.lock:
+            if batch.abandoned:  # the caller may already have reused the payload's slot
+                return False
+            RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(
+                memoryview(header)
+            )
+            # The one copy: the clients want a whole body, as `bytes` (measured: a
+            # bytearray body uploads slower through botocore); and a PUT abandoned past
+            # its deadline must not read the slot afterwards.
+            body = b"".join((header, memoryview(payload.reshape(-1).view(np.uint8))))
         try:
-            self.fs.pipe_file(self.object_path(namespace, key), body, **self._deadline)
+            self.client.put(self.object_path(namespace, key), body)
         except Exception as exc:  # noqa: BLE001 - an upload that fails is a dropped copy
             self._count("put_failures")
             self._failed("upload", exc)
@@ -342,12 +378,12 @@ class ObjectTier:
         self._succeeded()
         return True
 
-    def _get(self, namespace: str, key: bytes, out: np.ndarray) -> bool:
+    def _get(self, batch: _Batch, namespace: str, key: bytes, out: np.ndarray) -> bool:
         if not self.available():
             self._count("skipped_while_paused")
             return False
         try:
-            data = self.reader.get(self.object_path(namespace, key), HEADER_BYTES + out.nbytes)
+            data = self.client.get(self.object_path(namespace, key), HEADER_BYTES + out.nbytes)
         except FileNotFoundError:
             self._count("not_found")
             self._succeeded()  # the store answered
@@ -368,7 +404,10 @@ class ObjectTier:
                 namespace,
             )
             return False
-        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
+        with batch.lock:
+            if batch.abandoned:  # too late: the caller gave the buffer back
+                return False
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
         self._count("gets", out.nbytes)
         return True
 

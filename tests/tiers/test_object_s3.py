@@ -46,10 +46,10 @@ def chunk(i: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8)
 
 
-@pytest.mark.parametrize("get_client", ["pyarrow", "fsspec"])
-def test_chunks_round_trip_through_s3_bit_exact(server, get_client):
-    tier = tier_for(server, get_client=get_client)
-    assert tier.reader.name == get_client
+@pytest.mark.parametrize("client", ["pyarrow", "fsspec"])
+def test_chunks_round_trip_through_s3_bit_exact(server, client):
+    tier = tier_for(server, client=client)
+    assert tier.client.name == client
     items = [(key(i, group=i % 2), chunk(i)) for i in range(16)]
     assert tier.put_many(NS, items) == [True] * 16
     outs = [(k, np.zeros(SIZE, np.uint8)) for k, _ in items]
@@ -59,10 +59,10 @@ def test_chunks_round_trip_through_s3_bit_exact(server, get_client):
     tier.close()
 
 
-@pytest.mark.parametrize("get_client", ["pyarrow", "fsspec"])
+@pytest.mark.parametrize("client", ["pyarrow", "fsspec"])
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated", "extended"])
-def test_an_object_overwritten_through_the_s3_api_is_a_miss(server, get_client, damage):
-    tier = tier_for(server, get_client=get_client)
+def test_an_object_overwritten_through_the_s3_api_is_a_miss(server, client, damage):
+    tier = tier_for(server, client=client)
     tier.put_many(NS, [(key(100), chunk(100))])
     path = tier.object_path(NS, key(100))
     fs = server.filesystem()
@@ -95,14 +95,14 @@ def test_the_sweep_reads_s3_write_times_and_deletes_expired_objects(server):
     later.close()
 
 
-def test_get_client_auto_is_pyarrow_for_s3_unless_an_option_has_no_pyarrow_equivalent(server, caplog):
+def test_client_auto_is_pyarrow_for_s3_unless_an_option_has_no_pyarrow_equivalent(server, caplog):
     with caplog.at_level(logging.INFO, logger="kvstrata"):
-        assert tier_for(server).reader.name == "pyarrow"
+        assert tier_for(server).client.name == "pyarrow"
         fallback = tier_for(server, storage_options={**server.storage_options(), "requester_pays": False})
-    assert fallback.reader.name == "fsspec"
+    assert fallback.client.name == "fsspec"
     assert "'requester_pays' has no pyarrow equivalent" in caplog.text
     with pytest.raises(ValueError, match="requester_pays"):
-        tier_for(server, get_client="pyarrow", storage_options={**server.storage_options(), "requester_pays": False})
+        tier_for(server, client="pyarrow", storage_options={**server.storage_options(), "requester_pays": False})
 
 
 def test_wrong_credentials_fail_fast_counted_and_never_logged(server, caplog):
@@ -135,14 +135,14 @@ def test_a_missing_bucket_is_a_miss_not_an_outage(server):
     tier.close()
 
 
-@pytest.mark.parametrize("get_client", ["pyarrow", "fsspec"])
-def test_a_server_cut_off_mid_run_is_dropped_then_used_again_when_it_returns(server, get_client):
+@pytest.mark.parametrize("client", ["pyarrow", "fsspec"])
+def test_a_server_cut_off_mid_run_is_dropped_then_used_again_when_it_returns(server, client):
     # `weed mini` does not come back on the same port after a restart here: a proxy in
     # front of it drops every connection instead, then forwards again.
     clock = FakeClock()
     with TcpProxy(int(server.endpoint_url.rsplit(":", 1)[1])) as proxy:
         settings = {"endpoint_url": proxy.endpoint_url, "storage_options": server.storage_options(), **FAST}
-        config = ObjectTierConfig(url="s3://kvstrata/cut", get_client=get_client, backoff_max_seconds=4, **settings)
+        config = ObjectTierConfig(url="s3://kvstrata/cut", client=client, backoff_max_seconds=4, **settings)
         tier = ObjectTier(config, clock=clock)
         assert tier.put_many(NS, [(key(300), chunk(300))]) == [True]
         proxy.cut()
@@ -175,15 +175,17 @@ def test_a_server_that_dies_is_a_bounded_failure(tmp_path):
     tier.close()
 
 
-def test_a_black_holed_server_costs_one_timeout_not_one_per_chunk():
+@pytest.mark.parametrize("client", ["pyarrow", "fsspec"])
+def test_a_black_holed_server_costs_one_timeout_not_one_per_chunk(client):
     with socket.socket() as hole:  # accepts connections (kernel backlog), never answers
         hole.bind(("127.0.0.1", 0))
         hole.listen(64)
         config = ObjectTierConfig(
             url="s3://kvstrata/kv",
             endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
-            storage_options={"key": "k", "secret": "s"},
+            storage_options={"key": "access-key-id", "secret": "secret-access-key"},
             max_concurrency=4,
+            client=client,
             **FAST,
         )
         tier = ObjectTier(config)
@@ -201,8 +203,8 @@ def test_a_black_holed_server_costs_one_timeout_not_one_per_chunk():
         tier.close()
 
 
-@pytest.mark.parametrize("get_client", ["pyarrow", "fsspec"])
-def test_a_get_from_a_black_holed_server_gives_up_within_its_timeouts(get_client):
+@pytest.mark.parametrize("client", ["pyarrow", "fsspec"])
+def test_a_get_from_a_black_holed_server_gives_up_within_its_timeouts(client):
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         hole.listen(64)
@@ -210,7 +212,7 @@ def test_a_get_from_a_black_holed_server_gives_up_within_its_timeouts(get_client
             url="s3://kvstrata/kv",
             endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
             storage_options={"key": "access-key-id", "secret": "secret-access-key"},
-            get_client=get_client,
+            client=client,
             **FAST,
         )
         tier = ObjectTier(config)

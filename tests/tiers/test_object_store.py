@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from datetime import datetime, timedelta, timezone
 
 import fsspec
@@ -105,7 +107,7 @@ class SwitchableFS:
     def install(cls, tier: ObjectTier) -> "SwitchableFS":
         """Put a switch in front of a running tier's filesystem, uploads and GETs alike."""
         switch = cls(tier.fs)
-        tier.fs = tier.reader.fs = switch
+        tier.fs = tier.client.fs = switch
         return switch
 
 
@@ -152,9 +154,9 @@ def test_the_pause_grows_while_the_store_keeps_failing(url):
 
 
 def test_pyarrow_gets_serve_s3_urls_only(url):
-    assert tier_for(url).reader.name == "fsspec"
-    with pytest.raises(ValueError, match="tiers.object.get_client: pyarrow serves s3:// URLs only, not memory://"):
-        tier_for(url, get_client="pyarrow")
+    assert tier_for(url).client.name == "fsspec"
+    with pytest.raises(ValueError, match="tiers.object.client: pyarrow serves s3:// URLs only, not memory://"):
+        tier_for(url, client="pyarrow")
 
 
 def test_s3_options_translate_to_pyarrow_or_say_why_not(monkeypatch):
@@ -227,3 +229,57 @@ def test_a_sweep_that_cannot_delete_keeps_its_entries_and_pauses(url):
     switch.down = False
     assert tier.list_keys(NS) is None  # paused, not answered wrongly
     tier.close()
+
+
+class StuckClient:
+    """A chunk client whose calls hang until released (a request that outlives its deadline)."""
+
+    name = "stuck"
+
+    def __init__(self, client):
+        self.inner = client
+        self.fs = client.fs
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def put(self, path, body):
+        self.started.set()
+        assert self.release.wait(30)
+        self.inner.put(path, body)
+
+    def get(self, path, expected_bytes):
+        self.started.set()
+        assert self.release.wait(30)
+        return self.inner.get(path, expected_bytes)
+
+
+FAST_DEADLINE = {"timeouts": {"connect_seconds": 0.05, "read_seconds": 0.05}, "max_attempts": 1}
+
+
+def test_a_get_past_its_deadline_is_a_miss_and_never_writes_its_buffer_later(url):
+    tier = tier_for(url, **FAST_DEADLINE)
+    tier.put_many(NS, [(key(1), chunk(1))])
+    stuck = tier.client = StuckClient(tier.client)
+    out = np.zeros(SIZE, np.uint8)
+    started = time.monotonic()
+    assert tier.get_many(NS, [(key(1), out)]) == [False]
+    assert time.monotonic() - started < tier.request_deadline + 1
+    assert tier.counters["get_failures"] == 1 and not tier.available()
+    stuck.release.set()
+    tier.close()  # waits for the stuck request to finish
+    assert not out.any()  # the slot may belong to another chunk by now: untouched
+
+
+def test_a_put_past_its_deadline_uploads_only_what_it_was_given(url):
+    tier = tier_for(url, **FAST_DEADLINE)
+    stuck = tier.client = StuckClient(tier.client)
+    payload = chunk(2).copy()
+    assert tier.put_many(NS, [(key(2), payload)]) == [False]
+    assert stuck.started.is_set() and tier.counters["put_failures"] == 1
+    payload[:] = 0  # the caller reuses its slot at once
+    stuck.release.set()
+    tier.close()
+    late = tier_for(url)  # the late upload landed: with the bytes it was given, verified
+    out = np.zeros(SIZE, np.uint8)
+    assert late.get_many(NS, [(key(2), out)]) == [True] and np.array_equal(out, chunk(2))
+    late.close()
