@@ -2,6 +2,19 @@
 
 vLLM marks the offloading API experimental and changes it between minor versions;
 absorbing the differences here keeps the manager, worker and spec version-agnostic.
+Supported: vLLM 0.29 through 0.33 (CI runs the connector tests on 0.29.0, 0.32.0 and
+0.33.0). What differs, and how it is absorbed:
+
+| vLLM | difference | here |
+|---|---|---|
+| 0.29 | `OffloadingGroupConfig` has no `group_id` (a group's index is its position) | `group_ids()` |
+| 0.29 | `OffloadPolicy.BLOCK_LEVEL`, renamed `CHUNK_LEVEL` in 0.30 | not used by kvstrata |
+| < 0.32 | no `get_load_source` / `CacheHitSource` (where a hit came from) | `load_source()` is None, never asked |
+| < 0.33 | no `OffloadingManager.lock`: callers never take it | the manager locks itself (reentrant) on every version |
+| < 0.33 | no `on_reset_flushed`: pins of a reset are released at the reset | `HAS_RESET_FLUSHED` |
+| < 0.33 | no `config_info` / `config_info_keys` | defined anyway; older vLLM never calls them |
+| < 0.33 | `submit_load` has no `expedited` argument | the worker accepts and ignores it |
+| < 0.33 | `OffloadingEvent` has no `metadata_only` | never set |
 """
 
 from __future__ import annotations
@@ -40,6 +53,10 @@ try:  # 0.32+
     from vllm.v1.kv_offload.base import Locality
 except ImportError:  # pragma: no cover - older vLLM
     Locality = None  # type: ignore[assignment,misc]
+try:  # 0.32+
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # older vLLM: nobody asks where a hit came from
+    CacheHitSource = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +83,22 @@ def make_event(keys: list[bytes], removed: bool, medium: str = "CPU") -> Offload
     if Locality is not None:
         kwargs["locality"] = Locality.REMOTE if remote else Locality.LOCAL
     return OffloadingEvent(**kwargs)
+
+
+def group_ids(config: OffloadingConfig) -> tuple[int, ...]:
+    """The KV-cache group index of each offloaded group (0.29: its position in `groups`)."""
+    return tuple(getattr(group, "group_id", index) for index, group in enumerate(config.groups))
+
+
+def load_source(medium: str) -> Any:
+    """vLLM's name for the tier a hit was loaded from, on versions that ask (0.32+).
+
+    `CPU` (the node arena) is host memory, `STORAGE` the node's disk; the shared object
+    store has no name of its own in vLLM: external, unspecified.
+    """
+    if CacheHitSource is None:
+        return None
+    return {"CPU": CacheHitSource.HOST, "STORAGE": CacheHitSource.DISK}.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
 
 def prefix_hash_algo() -> str:
@@ -104,6 +137,8 @@ __all__ = [
     "TransferResult",
     "HAS_RESET_FLUSHED",
     "check_vllm_version",
+    "group_ids",
+    "load_source",
     "make_event",
     "override",
     "prefix_hash_algo",

@@ -41,13 +41,14 @@ from kvstrata.connector.compat import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    load_source,
     make_event,
     override,
 )
 from kvstrata.connector.control import ControlChannel
 from kvstrata.keys import Layout, key_name
 from kvstrata.tiers.arena import PoolGeometry
-from kvstrata.tiers.changelog import CPU
+from kvstrata.tiers.changelog import CPU, OBJECT, STORAGE
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ class _Pin:
     epoch: str
     requests: set[str] = field(default_factory=set)
     loads: int = 0
+    # Where the chunk came from for the requests that waited on its promotion (all
+    # other requests find it in the arena): `STORAGE` (disk) or `OBJECT`.
+    promoted_from: str = CPU
+    promoted_for: frozenset[str] = frozenset()
 
 
 class StrataManager(OffloadingManager):
@@ -115,7 +120,7 @@ class StrataManager(OffloadingManager):
 
         # key -> tiers ("CPU", "STORAGE") of the node store that hold it
         self._mirror: dict[bytes, set[str]] = {}
-        self._promoted: set[bytes] = set()  # pins that waited on a promotion
+        self._promoted: dict[bytes, str] = {}  # pins that wait on a promotion -> the tier it reads
         self._pinned: dict[bytes, _Pin] = {}
         self._pin_waiters: dict[bytes, set[str]] = {}  # asked for, not yet answered
         self._to_pin: list[bytes] = []  # asked for, not yet sent
@@ -213,6 +218,13 @@ class StrataManager(OffloadingManager):
                 self._view_wanted = True
                 return LookupResult.RETRY
             return LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        """The tier a HIT was loaded from (vLLM 0.32+ reports it per request)."""
+        with self._lock:
+            pin = self._pinned.get(key)
+            promoted = pin is not None and req_context.req_id in pin.promoted_for
+            return load_source(pin.promoted_from if promoted else CPU)
 
     @override
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ArenaSlotsSpec:
@@ -498,15 +510,15 @@ class StrataManager(OffloadingManager):
             self._reserve_target = min(self._reserve_target, reply.reserve_cap)
             self._reserve_cap = reply.reserve_cap
         for key, slot in reply.pinned.items():
-            if key in self._promoted:
-                self._promoted.discard(key)
+            promoted_from = self._promoted.pop(key, CPU)
+            if promoted_from != CPU:
                 self._counters["chunks_promoted"] += 1
             waiters = self._pin_waiters.pop(key, set())
             for req_id in waiters:  # so a request that ends before its next lookup lets go
                 self._req_keys.setdefault(req_id, set()).add(key)
             held = self._pinned.get(key)
             if held is None:
-                self._pinned[key] = _Pin(slot, self._epoch, requests=waiters)
+                self._pinned[key] = _Pin(slot, self._epoch, set(waiters), 0, promoted_from, frozenset(waiters))
             else:
                 held.requests |= waiters
                 if held.slot != slot:
@@ -516,12 +528,12 @@ class StrataManager(OffloadingManager):
                 del self._pin_waiters[key]
                 self._counters["pins_missed"] += 1
             self._mirror.pop(key, None)
-            self._promoted.discard(key)
+            self._promoted.pop(key, None)
         for key in reply.pending:
-            # Being promoted from disk: ask again next step (the engine keeps RETRYing).
+            # Being promoted (disk first, else the object store): ask again next step.
             if key in self._pin_waiters:
                 self._to_pin.append(key)
-                self._promoted.add(key)
+                self._promoted.setdefault(key, STORAGE if STORAGE in self._mirror.get(key, ()) else OBJECT)
         self._apply_changes(reply.changes, reply.snapshot, emit=True)
         self._seq = reply.seq
         if reply.rejected:

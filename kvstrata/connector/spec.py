@@ -22,6 +22,7 @@ from kvstrata.connector.compat import (
     OffloadingSpec,
     OffloadingWorker,
     check_vllm_version,
+    group_ids,
     override,
     prefix_hash_algo,
 )
@@ -37,7 +38,7 @@ def build_layout(config: OffloadingConfig, kvstrata_config: KvstrataConfig) -> L
         dtype=config.model.dtype,
         kv_cache_layout=str(getattr(config, "kv_cache_layout", None) or ""),
         tokens_per_block=tuple(group.tokens_per_block for group in config.groups),
-        group_ids=tuple(group.group_id for group in config.groups),
+        group_ids=group_ids(config),
         tokens_per_hash=config.cache.tokens_per_hash,
         blocks_per_chunk=config.cache.blocks_per_chunk,
         worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,

@@ -10,7 +10,7 @@ import pytest
 
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
-from kvstrata.connector.compat import LookupResult, Medium
+from kvstrata.connector.compat import LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager
 from kvstrata.tiers.disk import HEADER_BYTES
 from tests.connector.harness import SLOT, ctx, step, store_chunks
@@ -77,6 +77,10 @@ def test_chunks_evicted_from_the_arena_come_back_from_disk_bit_exact(env):
     assert store.stats()["promotions"] >= 1
     assert reader.counters()["chunks_promoted"] == 1
     assert reader.lookup(key(999), ctx()) is MISS
+    if load_source("STORAGE") is not None:  # vLLM 0.32+ asks where each hit came from
+        assert reader.get_load_source(key(1), ctx()) == load_source("STORAGE")  # it waited on the disk
+        assert reader.lookup(key(1), ctx("later")) is HIT
+        assert reader.get_load_source(key(1), ctx("later")) == load_source("CPU")  # already in the arena
 
 
 def test_disk_events_carry_the_storage_medium_and_group(env):

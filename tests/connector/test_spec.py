@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import sys
 
 import pytest
 
 from kvstrata.config import ConfigError
+from kvstrata.connector import compat
 from kvstrata.connector.compat import OffloadingConfig
 from kvstrata.connector.spec import StrataSpec, build_layout
 
@@ -20,8 +23,10 @@ def offloading_config(extra: dict, model: str = "tiny", dtype: str = "float32", 
         OffloadingParallelConfig,
     )
 
+    group = {"tokens_per_block": 32, "layer_names": ("l0", "l1"), "group_id": 0}
+    known = {f.name for f in dataclasses.fields(OffloadingGroupConfig)}  # 0.29 has no group_id
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
+        groups=(OffloadingGroupConfig(**{k: v for k, v in group.items() if k in known}),),
         worker_kv_bytes_per_block=16384,
         enable_kv_cache_events=False,
         extra_config=extra,
@@ -78,3 +83,25 @@ def test_layout_namespace_separates_what_makes_bytes_incompatible():
 def test_metric_definitions_cover_counters_and_gauges():
     names = set(StrataSpec.build_metric_definitions({}))
     assert {"kvstrata:chunks_loaded", "kvstrata:chunks_stored", "kvstrata:reserved_slots"} <= names
+
+
+def test_the_vllm_under_test_is_the_one_asked_for():
+    """The CI matrix sets KVSTRATA_EXPECT_VLLM: prove the run used that vLLM, not another on the path."""
+    expected = os.environ.get("KVSTRATA_EXPECT_VLLM")
+    if expected is None:
+        pytest.skip("not a vLLM-matrix run")
+    assert str(compat.VLLM_VERSION) == expected
+
+
+def test_the_group_ids_of_every_supported_vllm():
+    config = offloading_config({"config": {"tiers": {"cpu": {"capacity": "8MiB"}}}})
+    assert compat.group_ids(config) == (0,)
+    assert build_layout(config, StrataSpec(config).kvstrata_config).group_ids == (0,)
+
+
+def test_an_unsupported_vllm_fails_at_engine_start_with_the_range(monkeypatch):
+    from packaging.version import Version
+
+    monkeypatch.setattr(compat, "VLLM_VERSION", Version("0.34.0"))
+    with pytest.raises(RuntimeError, match=r"kvstrata supports vLLM >= 0\.29, < 0\.34; this is vLLM"):
+        StrataSpec(offloading_config({}))
