@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 VOCAB = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + string.digits + string.punctuation + " \n")
 
@@ -30,6 +31,11 @@ def build_tiny_llama(directory: str | Path, seed: int = 0, hidden_size: int = 12
     tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    # A plain chat template (every character is in the vocabulary) for OpenAI chat requests.
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     fast.save_pretrained(directory)
 
     config = LlamaConfig(
@@ -124,3 +130,40 @@ def run_round(llm, prompts: list[str], max_tokens: int = 16) -> list[dict[str, o
 def shared_prefix_prompts(count: int = 3, repeat: int = 6) -> list[str]:
     prefix = "kvstrata keeps the KV cache of a long shared system prompt. " * repeat
     return [f"{prefix}Question {i}: what comes next?" for i in range(count)]
+
+
+def chat(base_url: str, model_id: str, prompt: str, max_tokens: int = 16, timeout_s: float = 120) -> dict[str, Any]:
+    """One greedy chat completion through an OpenAI-compatible endpoint (Serve LLM, vllm serve)."""
+    import urllib.request
+
+    body = {
+        "model": model_id,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+    request = urllib.request.Request(
+        f"{base_url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def cached_tokens(reply: dict[str, Any]) -> int:
+    """Prompt tokens the engine did not compute (needs `enable_prompt_tokens_details`)."""
+    return ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def wait_until_serving(base_url: str, model_id: str, timeout_s: float = 300) -> None:
+    """Poll a real completion: Serve's `/v1/models` answers before the engine is ready."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            chat(base_url, model_id, "ready?", max_tokens=1, timeout_s=30)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)

@@ -84,6 +84,7 @@ class NodeStore:
             "object_uploads_queued": 0,
             "object_uploads_dropped": 0,
             "object_promotions": 0,
+            "engine_pins": 0,  # chunks pinned for engines to load: what kvstrata served
         }
         self._uploads_pending = 0
         self._scanned_at = float("-inf")  # when the last sweep of the object store started
@@ -191,6 +192,7 @@ class NodeStore:
             pool.unpin(request.holder, request.unpin)
             pool.touch(request.touch)
             pinned = pool.pin(request.holder, request.pin)
+            self.counters["engine_pins"] += len(pinned)
             missing: list[bytes] = []
             pending: list[bytes] = []
             from_disk: list[tuple[bytes, int]] = []
