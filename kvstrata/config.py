@@ -185,6 +185,27 @@ class RayConfig(_Strict):
     store_num_cpus: float = Field(default=0.0, ge=0)
 
 
+class ClusterConfig(_Strict):
+    """Many nodes as one cache: a sharded directory of who holds what, and peer fetch."""
+
+    directory_shards: int = Field(default=4, ge=1, le=256, description="directory actors the keys are spread over")
+    sync_seconds: float = Field(
+        default=0.2, gt=0, description="how often a store publishes what it holds and learns what its peers hold"
+    )
+    call_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="bound on one directory call or one peer fetch"
+    )
+    fetch_batch_bytes: ByteSize = Field(
+        default=64 * 1024**2, gt=0, description="chunk bytes moved by one peer fetch call at most"
+    )
+    reconcile_seconds: float = Field(
+        default=5.0, gt=0, description="how often `kvstrata up`'s reconciler checks for nodes that joined or left"
+    )
+    node_resource: str | None = Field(
+        default=None, description="only nodes offering this custom resource get a store (default: every node)"
+    )
+
+
 class KvstrataConfig(_Strict):
     namespace_prefix: str = Field(
         default="",
@@ -194,6 +215,9 @@ class KvstrataConfig(_Strict):
     tiers: TiersConfig = TiersConfig()
     engine: EngineConfig = EngineConfig()
     ray: RayConfig = RayConfig()
+    cluster: ClusterConfig | None = Field(
+        default=None, description="multi-node: directory and peer fetch (off: each node's store stands alone)"
+    )
 
 
 def _describe(error: Mapping[str, Any]) -> str:

@@ -167,3 +167,94 @@ def wait_until_serving(base_url: str, model_id: str, timeout_s: float = 300) -> 
             if time.monotonic() > deadline:
                 raise
             time.sleep(1)
+
+
+class ChunkProbe:
+    """A worker-level client of its own node's store (run it as a Ray actor pinned to a node).
+
+    It writes and reads chunk bytes through the arena's shared memory and talks to the
+    store with the same batched step calls as an engine, without an engine: what the
+    multi-node tests and the peer-fetch benchmark use to stand for vLLM on each node.
+    """
+
+    def __init__(self, holder: str, namespace: str, slot_bytes: int):
+        import ray
+
+        from kvstrata.actors.client import get_node_store
+
+        self._ray = ray
+        self.holder, self.namespace = holder, namespace
+        self.store = get_node_store()
+        registration = ray.get(self.store.register.remote(holder, namespace, slot_bytes))
+        self.geometry, self.epoch = registration.geometry, registration.epoch
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._segments: dict[int, Any] = {}
+
+    def _step(self, **fields: Any) -> Any:
+        from kvstrata.actors.protocol import StepRequest
+
+        request = StepRequest(self.holder, self.namespace, epoch=self.epoch, **fields)
+        return self._ray.get(self.store.step.remote(request), timeout=60)
+
+    def _view(self, slot: int) -> Any:
+        from kvstrata.tiers.shm import SharedMemoryFile
+
+        segment, offset = self.geometry.locate(slot)
+        if segment not in self._segments:
+            self._segments[segment] = SharedMemoryFile.attach(self.geometry.segment_path(segment))
+        return self._segments[segment].array[offset : offset + self.geometry.slot_bytes]
+
+    def store_chunks(self, keys: list[bytes], seed: int = 0) -> list[bytes]:
+        """Write random chunks under `keys` and commit them; returns their bytes."""
+        import numpy as np
+
+        slots: list[int] = []
+        while len(slots) < len(keys):  # the store caps one engine's reservation
+            granted = self._step(reserve=len(keys) - len(slots)).reserved
+            assert granted, f"reserved {len(slots)} of {len(keys)} slots"
+            slots += granted
+        rng = np.random.default_rng(seed)
+        written = []
+        for slot in slots:
+            data = rng.integers(0, 256, self.geometry.slot_bytes, dtype=np.uint8)
+            self._view(slot)[:] = data
+            written.append(data.tobytes())
+        reply = self._step(commit=list(zip(slots, keys)))
+        assert not reply.rejected, reply.rejected
+        self._step(unpin=slots)  # the store keeps the writer's pin at commit
+        return written
+
+    def load_chunks(self, keys: list[bytes], timeout_s: float = 30.0) -> dict[bytes, bytes | None]:
+        """Pin and read chunks (waiting while the store promotes them); None for a miss."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        result: dict[bytes, bytes | None] = {}
+        wanted = list(keys)
+        while wanted:
+            reply = self._step(pin=wanted)
+            for key, slot in reply.pinned.items():
+                result[key] = self._view(slot).tobytes()
+            if reply.pinned:
+                self._step(unpin=list(reply.pinned.values()))
+            for key in reply.missing:
+                result[key] = None
+            wanted = list(reply.pending)
+            if wanted and time.monotonic() > deadline:
+                raise TimeoutError(f"{len(wanted)} chunks still being promoted after {timeout_s}s")
+            if wanted:
+                time.sleep(0.01)  # the store is fetching; ask again like an engine's next step
+        return result
+
+    def knows(self, keys: list[bytes], medium: str) -> bool:
+        """Whether this node's store lists every key in a tier (e.g. `PEER`)."""
+        held = set(self._ray.get(self.store.keys.remote(self.namespace, medium)))
+        return all(key in held for key in keys)
+
+    def stats(self) -> dict[str, Any]:
+        return self._ray.get(self.store.stats.remote())
+
+    def close(self) -> None:
+        for segment in self._segments.values():
+            segment.close()
+        self._segments.clear()

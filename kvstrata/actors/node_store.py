@@ -33,13 +33,17 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from kvstrata.actors.options import node_tag
+from kvstrata.actors.peers import PeerSync
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.config import KvstrataConfig, load_config
 from kvstrata.tiers.arena import Arena, SlotError, SlotPool
-from kvstrata.tiers.changelog import CPU, OBJECT, STORAGE, ChangeLog
+from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE, ChangeLog
 from kvstrata.tiers.disk import DiskTier, DiskTierError
 from kvstrata.tiers.object_store import ObjectTier
+from kvstrata.tiers.records import chunk_digest
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,8 @@ class NodeStore:
             "object_uploads_dropped": 0,
             "object_promotions": 0,
             "engine_pins": 0,  # chunks pinned for engines to load: what kvstrata served
+            "peer_promotions": 0,  # chunks brought from another node's store
+            "chunks_exported": 0,  # chunks handed to another node's store
         }
         self._uploads_pending = 0
         self._scanned_at = float("-inf")  # when the last sweep of the object store started
@@ -103,14 +109,22 @@ class NodeStore:
             self.object = ObjectTier(self.config.tiers.object, clock=clock)
             # Batches queue here; each fans out over the tier's own max_concurrency threads.
             self._object_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-object-jobs")
+        self.peers: PeerSync | None = None
+        self._peer_io: ThreadPoolExecutor | None = None
+        if self.config.cluster is not None and _in_ray():
+            from kvstrata.actors.cluster import directory_shard
+
+            self.peers = PeerSync(node_id, self.config.cluster, lambda: dict(self._logs), directory_shard).start()
+            self._peer_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peer-fetch")
         logger.info(
-            "kvstrata node store up on node %s (pid %d, epoch %s, cpu capacity %d bytes, disk %s, object %s)",
+            "kvstrata node store up on node %s (pid %d, epoch %s, cpu capacity %d bytes, disk %s, object %s, peers %s)",
             node_id,
             os.getpid(),
             self.arena.epoch,
             cpu.capacity,
             self.config.tiers.disk.path if self.disk else "off",
             self.config.tiers.object.url if self.object else "off",
+            "on" if self.peers else "off",
         )
 
     def _open_disk(self) -> None:
@@ -196,12 +210,15 @@ class NodeStore:
             missing: list[bytes] = []
             pending: list[bytes] = []
             from_disk: list[tuple[bytes, int]] = []
+            from_peer: list[tuple[bytes, int]] = []
             from_object: list[tuple[bytes, int]] = []
             for key in request.pin:
                 if key not in pinned:
-                    promoting = self._promote(namespace, pool, key, from_disk, from_object)
+                    promoting = self._promote(namespace, pool, key, from_disk, from_peer, from_object)
                     (pending if promoting else missing).append(key)
             self._submit_batches(self._promote_job, namespace, pool, from_disk)
+            if from_peer:
+                self._peer_io.submit(self._peer_promote_job, namespace, pool, from_peer)
             if from_object:
                 self._object_io.submit(self._object_promote_job, namespace, pool, from_object)
             reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
@@ -228,6 +245,42 @@ class NodeStore:
                 snapshot=snapshot,
                 rejected=rejected,
             )
+
+    def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], np.ndarray]:
+        """Chunks another node's store asked for: (keys found, their xxh3-128, bytes back to back).
+
+        From the arena, else the disk (verified on read); absent ones are left out.
+        """
+        with self._lock:
+            pool = self.arena.pools.get(namespace)
+            if pool is None:
+                return [], [], np.empty(0, np.uint8)
+            slot_bytes = pool.geometry.slot_bytes
+            payload = np.empty(len(keys) * slot_bytes, dtype=np.uint8)
+            found: list[bytes] = []
+            from_disk: list[bytes] = []
+            for key in keys:
+                slot = pool.lookup(key)
+                if slot is not None:
+                    payload[len(found) * slot_bytes : (len(found) + 1) * slot_bytes] = pool.view(slot)
+                    found.append(key)
+                elif self.disk is not None and self.disk.contains(namespace, key):
+                    from_disk.append(key)
+        if from_disk:
+            start = len(found)
+            views = [payload[(start + n) * slot_bytes : (start + n + 1) * slot_bytes] for n in range(len(from_disk))]
+            read = self.disk.read_many(namespace, list(zip(from_disk, views)))
+            for n, (key, ok) in enumerate(zip(from_disk, read)):
+                if ok:
+                    if len(found) != start + n:  # close the gap a failed read left
+                        payload[len(found) * slot_bytes : (len(found) + 1) * slot_bytes] = views[n]
+                    found.append(key)
+        digests = [
+            chunk_digest(namespace, key, payload[n * slot_bytes : (n + 1) * slot_bytes]) for n, key in enumerate(found)
+        ]
+        with self._lock:
+            self.counters["chunks_exported"] += len(found)
+        return found, digests, payload[: len(found) * slot_bytes]
 
     def release_holder(self, holder: str) -> None:
         """An engine shutting down cleanly returns its pins and reservations at once."""
@@ -270,6 +323,7 @@ class NodeStore:
             disk = self.disk.stats() if self.disk else {"error": self.disk_error} if self.disk_error else None
             return {
                 "object": self.object.stats() if self.object else None,
+                "peers": self.peers.stats() if self.peers else None,
                 "uploads_pending": self._uploads_pending,
                 "node_id": self.node_id,
                 "pid": os.getpid(),
@@ -292,6 +346,9 @@ class NodeStore:
 
     def close(self) -> None:
         """Unlink the arena; disk records stay for the next store. For taking the store down on purpose."""
+        if self.peers is not None:
+            self.peers.close()
+            self._peer_io.shutdown(wait=True)
         if self._io is not None:
             self._io.shutdown(wait=True)
         if self._object_io is not None:
@@ -479,9 +536,11 @@ class NodeStore:
         pool: SlotPool,
         key: bytes,
         from_disk: list[tuple[bytes, int]],
+        from_peer: list[tuple[bytes, int]],
         from_object: list[tuple[bytes, int]],
     ) -> bool:
-        """Start (or join) bringing a chunk from disk or the object store into the arena.
+        """Start (or join) bringing a chunk into the arena: from this node's disk, else
+        another node's arena or disk, else the object store.
 
         False if it cannot be had (the engine then answers MISS).
         """
@@ -489,6 +548,8 @@ class NodeStore:
             return True
         if self.disk is not None and self.disk.contains(namespace, key):
             batch = from_disk
+        elif self.peers is not None and self._log(namespace).has(key, PEER):
+            batch = from_peer
         elif self.object is not None and self.object.available() and self._log(namespace).has(key, OBJECT):
             batch = from_object
         else:
@@ -515,6 +576,16 @@ class NodeStore:
         except Exception:  # noqa: BLE001
             logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
             ok = [False] * len(items)
+        self._finish_promotions(namespace, pool, items, ok)
+
+    def _peer_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        try:
+            ok = self.peers.fetch(namespace, pool, items, self._log(namespace))
+        except Exception:  # noqa: BLE001
+            logger.exception("kvstrata node store: peer fetch of %d chunks failed", len(items))
+            ok = [False] * len(items)
+        with self._lock:
+            self.counters["peer_promotions"] += sum(ok)
         self._finish_promotions(namespace, pool, items, ok)
 
     def _object_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
@@ -544,6 +615,13 @@ class NodeStore:
                 else:
                     pool.release(PROMOTE, [slot])
                     self.counters["promotion_failures"] += 1
+
+
+def _in_ray() -> bool:
+    """Whether this store runs in a Ray process (the actor), not in-process in a test."""
+    import ray
+
+    return ray.is_initialized()
 
 
 class LocalStoreClient:

@@ -75,11 +75,15 @@ def check_vllm_version() -> None:
         )
 
 
+REMOTE_MEDIA = {"OBJECT": "STORAGE", "PEER": "CPU"}
+
+
 def make_event(keys: list[bytes], removed: bool, medium: str = "CPU") -> OffloadingEvent:
-    """An event of a tier: `CPU` (the node arena), `STORAGE` (the node's disk) or
-    `OBJECT` (the shared object store: vLLM's STORAGE medium, remote)."""
-    remote = medium == "OBJECT"
-    kwargs: dict[str, Any] = {"keys": keys, "medium": Medium.STORAGE if remote else Medium(medium), "removed": removed}
+    """An event of a tier: `CPU` (the node arena), `STORAGE` (the node's disk), `OBJECT`
+    (the shared object store: vLLM's STORAGE medium, remote) or `PEER` (another node's
+    store: CPU medium, remote)."""
+    remote = medium in REMOTE_MEDIA
+    kwargs: dict[str, Any] = {"keys": keys, "medium": Medium(REMOTE_MEDIA.get(medium, medium)), "removed": removed}
     if Locality is not None:
         kwargs["locality"] = Locality.REMOTE if remote else Locality.LOCAL
     return OffloadingEvent(**kwargs)
@@ -93,12 +97,14 @@ def group_ids(config: OffloadingConfig) -> tuple[int, ...]:
 def load_source(medium: str) -> Any:
     """vLLM's name for the tier a hit was loaded from, on versions that ask (0.32+).
 
-    `CPU` (the node arena) is host memory, `STORAGE` the node's disk; the shared object
-    store has no name of its own in vLLM: external, unspecified.
+    `CPU` (the node arena) is host memory, `STORAGE` the node's disk, `PEER` another
+    node's store (peer to peer); the shared object store has no name of its own in
+    vLLM: external, unspecified.
     """
     if CacheHitSource is None:
         return None
-    return {"CPU": CacheHitSource.HOST, "STORAGE": CacheHitSource.DISK}.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
+    known = {"CPU": CacheHitSource.HOST, "STORAGE": CacheHitSource.DISK, "PEER": CacheHitSource.P2P}
+    return known.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
 
 def prefix_hash_algo() -> str:

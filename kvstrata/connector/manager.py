@@ -48,7 +48,7 @@ from kvstrata.connector.compat import (
 from kvstrata.connector.control import ControlChannel
 from kvstrata.keys import Layout, key_name
 from kvstrata.tiers.arena import PoolGeometry
-from kvstrata.tiers.changelog import CPU, OBJECT, STORAGE
+from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 
 logger = logging.getLogger(__name__)
 
@@ -533,7 +533,8 @@ class StrataManager(OffloadingManager):
             # Being promoted (disk first, else the object store): ask again next step.
             if key in self._pin_waiters:
                 self._to_pin.append(key)
-                self._promoted.setdefault(key, STORAGE if STORAGE in self._mirror.get(key, ()) else OBJECT)
+                media = self._mirror.get(key, ())
+                self._promoted.setdefault(key, next((m for m in (STORAGE, PEER) if m in media), OBJECT))
         self._apply_changes(reply.changes, reply.snapshot, emit=True)
         self._seq = reply.seq
         if reply.rejected:

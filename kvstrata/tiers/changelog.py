@@ -15,6 +15,7 @@ from collections import deque
 CPU = "CPU"
 STORAGE = "STORAGE"  # this node's disk
 OBJECT = "OBJECT"  # the object store every node shares
+PEER = "PEER"  # another node's arena or disk (learned from the cluster directory)
 LOG_LENGTH = 65536
 
 Change = tuple[bytes, str, bool]

@@ -1,0 +1,150 @@
+"""Placement on a multi-node cluster: one store per node, the directory, a reconciler.
+
+    from kvstrata.actors.cluster import up, down
+    up(load_config("configs/multinode.yaml"))   # or: kvstrata up --config ...
+
+`up` creates the directory shards, a store on every alive node (or every node offering
+`cluster.node_resource`), and the reconciler: a small detached actor that, every
+`cluster.reconcile_seconds`, creates stores on nodes that joined and drops the
+directory entries of nodes that left. Everything is named in the `kvstrata` namespace
+with `get_if_exists`, so calling `up` again (or from every node) is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from kvstrata.actors.client import ensure_node_store, get_node_store, shutdown_node_store
+from kvstrata.actors.directory import DirectoryShard, directory_actor_name
+from kvstrata.actors.options import STORE_NAMESPACE
+from kvstrata.config import ClusterConfig, KvstrataConfig, load_config
+
+logger = logging.getLogger(__name__)
+RECONCILER_NAME = "kvstrata-reconciler"
+
+
+def directory_shard(shard: int) -> Any:
+    """The actor of one directory shard, created if it does not exist (restarted by Ray if it dies)."""
+    import ray
+
+    return (
+        ray.remote(DirectoryShard)
+        .options(
+            name=directory_actor_name(shard),
+            namespace=STORE_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            max_restarts=-1,
+            max_task_retries=0,
+            num_cpus=0,
+        )
+        .remote(shard)
+    )
+
+
+def store_nodes(config: ClusterConfig) -> list[str]:
+    """Alive nodes that should run a store."""
+    import ray
+
+    wanted = config.node_resource
+    return sorted(
+        node["NodeID"]
+        for node in ray.nodes()
+        if node["Alive"] and (wanted is None or node.get("Resources", {}).get(wanted, 0) > 0)
+    )
+
+
+class Reconciler:
+    """Keeps one store on every wanted node and the directory free of departed nodes."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = load_config(config)
+        self._known: set[str] = set()
+        self._stop = threading.Event()
+        self.rounds = 0
+        self._thread = threading.Thread(target=self._run, name="kvstrata-reconciler", daemon=True)
+        self._thread.start()
+
+    def reconcile(self) -> dict[str, list[str]]:
+        """One round: stores for new nodes, directory entries of gone nodes dropped."""
+        import ray
+
+        cluster = self.config.cluster
+        alive = set(store_nodes(cluster))
+        joined, left = sorted(alive - self._known), sorted(self._known - alive)
+        for node_id in joined:
+            ensure_node_store(self.config, node_id)
+        if left:
+            shards = [directory_shard(s) for s in range(cluster.directory_shards)]
+            dropped = ray.get([shard.drop_nodes.remote(left) for shard in shards], timeout=cluster.call_timeout_seconds)
+            logger.info("kvstrata reconciler: nodes %s left; %d directory entries dropped", left, sum(dropped))
+        if joined:
+            logger.info("kvstrata reconciler: stores ensured on %d new node(s)", len(joined))
+        self._known = alive
+        self.rounds += 1
+        return {"joined": joined, "left": left}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.cluster.reconcile_seconds):
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - a failed round is retried next period
+                logger.exception("kvstrata reconciler: round failed")
+
+
+def up(config: KvstrataConfig) -> dict[str, Any]:
+    """Directory, a store on every wanted node, and the reconciler; returns what exists."""
+    import ray
+
+    if config.cluster is None:
+        raise ValueError("kvstrata up for a cluster needs a `cluster` section in the config")
+    shards = [directory_shard(s) for s in range(config.cluster.directory_shards)]
+    ray.get([shard.ping.remote() for shard in shards], timeout=60)
+    reconciler = (
+        ray.remote(Reconciler)
+        .options(
+            name=RECONCILER_NAME,
+            namespace=STORE_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            max_restarts=-1,
+            num_cpus=0,
+            max_concurrency=4,
+        )
+        .remote(config.model_dump())
+    )
+    ray.get(reconciler.reconcile.remote(), timeout=120)  # stores now, not one period from now
+    nodes = store_nodes(config.cluster)
+    epochs = ray.get([get_node_store(node).ping.remote() for node in nodes], timeout=120)
+    return {"nodes": nodes, "store_epochs": epochs, "directory_shards": len(shards)}
+
+
+def down(config: KvstrataConfig) -> None:
+    """Stop the reconciler, take every store down, end the directory (on purpose, by handle)."""
+    import ray
+
+    from kvstrata.actors.client import StoreUnavailable
+
+    try:
+        reconciler = ray.get_actor(RECONCILER_NAME, namespace=STORE_NAMESPACE)
+        ray.get(reconciler.stop.remote(), timeout=60)
+        ray.kill(reconciler, no_restart=True)
+    except ValueError:
+        pass
+    cluster = config.cluster or ClusterConfig()
+    for node_id in store_nodes(cluster):
+        try:
+            shutdown_node_store(get_node_store(node_id))
+        except StoreUnavailable:
+            pass
+    for shard in range(cluster.directory_shards):
+        try:
+            ray.kill(ray.get_actor(directory_actor_name(shard), namespace=STORE_NAMESPACE), no_restart=True)
+        except ValueError:
+            pass

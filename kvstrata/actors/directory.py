@@ -1,0 +1,96 @@
+"""One shard of the cluster directory: which nodes hold which chunk of a namespace.
+
+Keys are spread over `cluster.directory_shards` shards by the first byte of their hash
+(block hashes are uniform). Each node store syncs with every shard every
+`cluster.sync_seconds` in one call: it sends what it started or stopped holding (in
+its arena or on its disk) for each namespace, and gets back every change other nodes
+made since the sequence number it last saw -- so the traffic is batched per store and
+period, never per chunk.
+
+The directory is a hint, never the truth: an entry may name a node that has since
+evicted the chunk or died, and a peer fetch from it is then a miss. A shard that
+restarts comes back empty with a new epoch; stores notice the epoch and send it their
+whole holdings again, so nothing is lost for longer than one sync period.
+
+No Ray in here: the actor is this class under `ray.remote` (see cluster.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterable
+
+from kvstrata.tiers.changelog import ChangeLog
+
+# (key, present) as a store sends it; (key, node_id, present) as it comes back.
+Update = tuple[bytes, bool]
+NodeChange = tuple[bytes, str, bool]
+DIRECTORY_NAME_PREFIX = "kvstrata-directory-"
+
+
+def directory_actor_name(shard: int) -> str:
+    return f"{DIRECTORY_NAME_PREFIX}{shard}"
+
+
+def shard_of(key: bytes, shards: int) -> int:
+    return key[0] % shards
+
+
+class DirectoryShard:
+    def __init__(self, shard: int):
+        self.shard = shard
+        self.epoch = uuid.uuid4().hex[:12]
+        self._lock = threading.Lock()
+        # One change log per namespace; its "medium" is the node that holds the chunk.
+        self._logs: dict[str, ChangeLog] = {}
+
+    def ping(self) -> str:
+        return self.epoch
+
+    def sync(
+        self, node_id: str, batches: dict[str, tuple[list[Update], int, bool]]
+    ) -> tuple[str, dict[str, tuple[int, list[NodeChange], bool]]]:
+        """Apply one store's updates and answer, per namespace, what changed since it last looked.
+
+        `batches`: namespace -> (updates, the seq it saw last, whether `updates` is its
+        whole holding in this shard: anything else of this node's is then dropped).
+        Answers namespace -> (seq, changes, whether the changes are a full snapshot).
+        """
+        replies: dict[str, tuple[int, list[NodeChange], bool]] = {}
+        with self._lock:
+            for namespace, (updates, known_seq, full) in batches.items():
+                log = self._logs.setdefault(namespace, ChangeLog())
+                if full:
+                    holding = {key for key, present in updates if present}
+                    for key in log.present(node_id):
+                        if key not in holding:
+                            log.record(key, node_id, False)
+                for key, present in updates:
+                    log.record(key, node_id, present)
+                since = log.since(known_seq) if known_seq >= 0 else None
+                if since is None:
+                    seq, changes = log.snapshot()
+                    replies[namespace] = (seq, changes, True)
+                else:
+                    replies[namespace] = (since[0], since[1], False)
+        return self.epoch, replies
+
+    def drop_nodes(self, node_ids: Iterable[str]) -> int:
+        """Forget every entry of nodes that left the cluster; returns how many went."""
+        dropped = 0
+        with self._lock:
+            for log in self._logs.values():
+                for node_id in node_ids:
+                    for key in log.present(node_id):
+                        log.record(key, node_id, False)
+                        dropped += 1
+        return dropped
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "shard": self.shard,
+                "epoch": self.epoch,
+                "namespaces": {ns: len(log.snapshot()[1]) for ns, log in self._logs.items()},
+            }

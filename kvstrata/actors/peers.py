@@ -1,0 +1,265 @@
+"""A node store's link to the rest of the cluster: directory sync and peer fetch.
+
+Runs inside the NodeStore actor when the config has a `cluster` section.
+
+- Sync (one thread, every `cluster.sync_seconds`): one call per directory shard carries
+  every namespace's changes of what this node holds (arena or disk) and brings back
+  what other nodes hold. Chunks held elsewhere enter this store's change log as medium
+  `PEER`, so engines mirror them like any other tier: a lookup answers `RETRY`, the
+  store fetches the chunk from a peer, and the next lookup is a `HIT`.
+- Fetch: chunks go from the peer store's arena (or disk) to this arena in one Ray call
+  per peer and batch (`fetch_batch_bytes`), as one numpy buffer through Ray's object
+  transfer -- never through the engine or the scheduler. Each chunk travels with the
+  xxh3-128 its holder computed and is verified here before it is committed.
+
+A dead peer, a stale entry or a directory that does not answer is a miss, counted and
+logged once per outage; nothing here blocks the store's control calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.actors.directory import shard_of
+from kvstrata.actors.options import STORE_NAMESPACE, store_actor_name
+from kvstrata.config import ClusterConfig
+from kvstrata.keys import key_name
+from kvstrata.tiers.changelog import CPU, PEER, STORAGE
+from kvstrata.tiers.records import chunk_digest
+
+if TYPE_CHECKING:
+    from kvstrata.tiers.arena import SlotPool
+
+logger = logging.getLogger(__name__)
+HELD = (CPU, STORAGE)  # what this node can hand to a peer
+
+
+class PeerSync:
+    def __init__(self, node_id: str, config: ClusterConfig, logs: Callable[[], dict], directory: Callable[[int], Any]):
+        """`logs()`: the store's namespace -> ChangeLog; `directory(shard)`: that shard's actor handle."""
+        self.node_id = node_id
+        self.config = config
+        self._logs = logs
+        self._make_directory = directory
+        self._directory_handles: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._epochs: list[str | None] = [None] * config.directory_shards  # None: send everything again
+        self._published: dict[str, int] = {}  # namespace -> own log seq already sent
+        self._pulled: dict[tuple[int, str], int] = {}  # (shard, namespace) -> directory seq seen
+        self._peers: dict[str, dict[bytes, set[str]]] = {}  # namespace -> key -> other nodes holding it
+        self._stores: dict[str, Any] = {}
+        self._failing = False
+        self.counters = {
+            "syncs": 0,
+            "sync_failures": 0,
+            "fetch_calls": 0,
+            "fetch_failures": 0,
+            "chunks_fetched": 0,
+            "bytes_fetched": 0,
+            "stale_entries": 0,
+            "corrupt_transfers": 0,
+        }
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-peer-sync", daemon=True)
+
+    def start(self) -> PeerSync:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.config.call_timeout_seconds + 5)
+
+    def holders(self, namespace: str, key: bytes) -> set[str]:
+        with self._lock:
+            return set(self._peers.get(namespace, {}).get(key, ()))
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "directory_reachable": not self._failing,
+                "peer_chunks": sum(len(keys) for keys in self._peers.values()),
+                **self.counters,
+            }
+
+    # --- sync -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.sync_seconds):
+            try:
+                self.sync_once()
+            except Exception:  # noqa: BLE001 - the next period tries again
+                logger.exception("kvstrata peers: directory sync failed")
+
+    def sync_once(self) -> None:
+        import ray
+
+        shards = self.config.directory_shards
+        logs = dict(self._logs())
+        batches: list[dict[str, tuple[list[tuple[bytes, bool]], int, bool]]] = [{} for _ in range(shards)]
+        published: dict[str, int] = {}
+        for namespace, log in logs.items():
+            since = log.since(self._published.get(namespace, -1)) if namespace in self._published else None
+            seq, changes = since if since is not None else log.snapshot()
+            published[namespace] = seq
+            updates: list[list[tuple[bytes, bool]]] = [[] for _ in range(shards)]
+            for key in {key for key, medium, _ in changes if medium in HELD}:
+                updates[shard_of(key, shards)].append((key, log.has(key, CPU) or log.has(key, STORAGE)))
+            for shard in range(shards):
+                full = self._epochs[shard] is None or since is None
+                if full:  # the shard forgot us (or never knew us): our whole holding
+                    held = {key for medium in HELD for key in log.present(medium)}
+                    shard_updates = [(key, True) for key in held if shard_of(key, shards) == shard]
+                else:
+                    shard_updates = updates[shard]
+                known = self._pulled.get((shard, namespace), -1) if self._epochs[shard] is not None else -1
+                batches[shard][namespace] = (shard_updates, known, full)
+        calls = {}
+        for shard in range(shards):
+            try:
+                calls[shard] = self._directory(shard).sync.remote(self.node_id, batches[shard])
+            except Exception as exc:  # noqa: BLE001 - e.g. the shard's actor cannot be created now
+                self._shard_failed(shard, exc)
+        if calls:
+            ray.wait(list(calls.values()), num_returns=len(calls), timeout=self.config.call_timeout_seconds)
+        answered = 0
+        for shard, ref in calls.items():
+            try:
+                epoch, replies = ray.get(ref, timeout=0)
+            except Exception as exc:  # noqa: BLE001 - a dead, restarting or slow shard
+                self._shard_failed(shard, exc)
+                continue
+            answered += 1
+            self._apply(shard, epoch, replies, logs)
+        with self._lock:
+            self._published.update(published)
+            self.counters["syncs"] += 1
+            if answered == shards and self._failing:
+                self._failing = False
+                logger.info("kvstrata peers: the directory answers again")
+
+    def _directory(self, shard: int) -> Any:
+        handle = self._directory_handles.get(shard)
+        if handle is None:
+            handle = self._directory_handles[shard] = self._make_directory(shard)
+        return handle
+
+    def _shard_failed(self, shard: int, exc: Exception) -> None:
+        self._directory_handles.pop(shard, None)  # look it up (or create it) again next time
+        with self._lock:
+            self._epochs[shard] = None
+            self.counters["sync_failures"] += 1
+            first = not self._failing
+            self._failing = True
+        if first:
+            logger.warning(
+                "kvstrata peers: directory shard %d did not answer (%s); serving local tiers and known peers "
+                "until it does",
+                shard,
+                type(exc).__name__,
+            )
+
+    def _apply(self, shard: int, epoch: str, replies: dict, logs: dict) -> None:
+        shards = self.config.directory_shards
+        with self._lock:
+            self._epochs[shard] = epoch
+            for namespace, (seq, changes, snapshot) in replies.items():
+                self._pulled[(shard, namespace)] = seq
+                peers = self._peers.setdefault(namespace, {})
+                touched: set[bytes] = set()
+                if snapshot:  # this shard's keys are exactly what it lists
+                    for key in [k for k in peers if shard_of(k, shards) == shard]:
+                        del peers[key]
+                        touched.add(key)
+                for key, node_id, present in changes:
+                    if node_id == self.node_id:
+                        continue
+                    touched.add(key)
+                    if present:
+                        peers.setdefault(key, set()).add(node_id)
+                    elif key in peers:
+                        peers[key].discard(node_id)
+                        if not peers[key]:
+                            del peers[key]
+                log = logs.get(namespace)
+                if log is not None:
+                    for key in touched:
+                        log.record(key, PEER, key in peers)
+
+    def _forget(self, namespace: str, key: bytes, node_id: str, log: Any) -> None:
+        with self._lock:
+            holders = self._peers.get(namespace, {}).get(key)
+            if holders is not None:
+                holders.discard(node_id)
+                if not holders:
+                    del self._peers[namespace][key]
+                    log.record(key, PEER, False)
+            self.counters["stale_entries"] += 1
+
+    # --- fetch --------------------------------------------------------------------------
+
+    def fetch(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], log: Any) -> list[bool]:
+        """Copy chunks from peers into reserved slots, verified; False for each one not had."""
+        import ray
+
+        ok = dict.fromkeys(range(len(items)), False)
+        by_peer: dict[str, list[int]] = {}
+        for index, (key, _) in enumerate(items):
+            holders = sorted(self.holders(namespace, key))
+            if holders:
+                by_peer.setdefault(holders[0], []).append(index)
+        slot_bytes = pool.geometry.slot_bytes
+        per_call = max(1, self.config.fetch_batch_bytes // slot_bytes)
+        for node_id, indices in by_peer.items():
+            for start in range(0, len(indices), per_call):
+                batch = indices[start : start + per_call]
+                keys = [items[i][0] for i in batch]
+                try:
+                    ref = self._store(node_id).export_chunks.remote(namespace, keys)
+                    found, digests, payload = ray.get(ref, timeout=self.config.call_timeout_seconds)
+                except Exception as exc:  # noqa: BLE001 - a dead or slow peer is a miss
+                    with self._lock:
+                        self.counters["fetch_failures"] += 1
+                        self._stores.pop(node_id, None)
+                    logger.warning(
+                        "kvstrata peers: fetch of %d chunks from node %s failed (%s); they miss",
+                        len(keys),
+                        node_id[:12],
+                        type(exc).__name__,
+                    )
+                    continue
+                position = {key: n for n, key in enumerate(found)}
+                with self._lock:
+                    self.counters["fetch_calls"] += 1
+                for i in batch:
+                    key, slot = items[i]
+                    n = position.get(key)
+                    if n is None:  # evicted there since the directory heard of it
+                        self._forget(namespace, key, node_id, log)
+                        continue
+                    view = pool.view(slot)
+                    view[:] = payload[n * slot_bytes : (n + 1) * slot_bytes]
+                    if chunk_digest(namespace, key, view) != digests[n]:
+                        with self._lock:
+                            self.counters["corrupt_transfers"] += 1
+                        logger.warning("kvstrata peers: chunk %s from node %s failed its checksum", key_name(key), node_id[:12])
+                        continue
+                    ok[i] = True
+                    with self._lock:
+                        self.counters["chunks_fetched"] += 1
+                        self.counters["bytes_fetched"] += slot_bytes
+        return [ok[i] for i in range(len(items))]
+
+    def _store(self, node_id: str) -> Any:
+        with self._lock:
+            handle = self._stores.get(node_id)
+        if handle is None:
+            import ray
+
+            handle = ray.get_actor(store_actor_name(node_id), namespace=STORE_NAMESPACE)
+            with self._lock:
+                self._stores[node_id] = handle
+        return handle
