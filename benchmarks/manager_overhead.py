@@ -159,7 +159,7 @@ def main() -> None:
         config = load_config(
             {"tiers": {"cpu": {"capacity": args.arena_chunks * slot_bytes, "shm_dir": shm_dir}}, "engine": {"reserve_slots": 64}}
         )
-        ray.init(num_cpus=2, include_dashboard=False, namespace="kvstrata-bench", log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstrata-bench", log_to_driver=False)
         store = ensure_node_store(config)
         try:
             client = CountingClient(RayStoreClient(store, 30))

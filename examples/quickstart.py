@@ -40,7 +40,7 @@ def main() -> int:
     from kvstrata.actors.client import current_node_id, shutdown_node_store
     from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
 
-    ray.init(namespace="kvstrata", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", namespace="kvstrata", include_dashboard=False, log_to_driver=False)
     # The engine's processes join this cluster, not another one that may run on the machine.
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     store = None

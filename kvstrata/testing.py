@@ -208,20 +208,19 @@ class ChunkProbe:
         """Write random chunks under `keys` and commit them; returns their bytes."""
         import numpy as np
 
-        slots: list[int] = []
-        while len(slots) < len(keys):  # the store caps one engine's reservation
-            granted = self._step(reserve=len(keys) - len(slots)).reserved
-            assert granted, f"reserved {len(slots)} of {len(keys)} slots"
-            slots += granted
         rng = np.random.default_rng(seed)
-        written = []
-        for slot in slots:
-            data = rng.integers(0, 256, self.geometry.slot_bytes, dtype=np.uint8)
-            self._view(slot)[:] = data
-            written.append(data.tobytes())
-        reply = self._step(commit=list(zip(slots, keys)))
-        assert not reply.rejected, reply.rejected
-        self._step(unpin=slots)  # the store keeps the writer's pin at commit
+        written: list[bytes] = []
+        while len(written) < len(keys):  # as many at a time as the store lets one engine reserve
+            slots = self._step(reserve=len(keys) - len(written)).reserved
+            assert slots, f"no slot reserved after {len(written)} of {len(keys)} chunks"
+            batch = keys[len(written) : len(written) + len(slots)]
+            for slot in slots:
+                data = rng.integers(0, 256, self.geometry.slot_bytes, dtype=np.uint8)
+                self._view(slot)[:] = data
+                written.append(data.tobytes())
+            reply = self._step(commit=list(zip(slots, batch)))
+            assert not reply.rejected, reply.rejected
+            self._step(unpin=slots)  # the store keeps the writer's pin at commit
         return written
 
     def load_chunks(self, keys: list[bytes], timeout_s: float = 30.0) -> dict[bytes, bytes | None]:

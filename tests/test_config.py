@@ -102,3 +102,12 @@ def test_a_config_error_never_echoes_credentials():
     with pytest.raises(ConfigError) as error:
         load_config({"tiers": {"object": {"url": "s3://b/p", "storage_options": {"secret": "s3cr3t-value"}, "max_concurrency": 0}}})
     assert "s3cr3t-value" not in str(error.value)
+
+
+def test_shipped_multinode_config_and_cluster_checks():
+    cfg = load_config(REPO / "configs" / "multinode.yaml")
+    assert cfg.cluster.directory_shards == 4 and cfg.cluster.fetch_batch_bytes == 64 * 1024**2
+    assert cfg.tiers.disk is not None and cfg.tiers.object is not None
+    assert load_config({}).cluster is None  # one node stands alone unless told otherwise
+    with pytest.raises(ConfigError, match=r"cluster\.directory_shards"):
+        load_config({"cluster": {"directory_shards": 0}})

@@ -72,7 +72,8 @@ def local_ray(namespace: str) -> Iterator[None]:
 
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
+    # address="local": always a new cluster, never one another process left on the machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
     previous = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     try:

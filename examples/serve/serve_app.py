@@ -76,7 +76,7 @@ def main() -> None:
             from kvstrata.testing import build_tiny_llama
 
             model = str(build_tiny_llama(os.path.join(workdir, "tiny-llama")))
-        ray.init(include_dashboard=False)
+        ray.init(address="local", include_dashboard=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": args.port})
             serve.run(build_app(kvstrata_llm_config(model)), name="kvstrata-llm", route_prefix="/")

@@ -9,6 +9,7 @@ namespace when looking the store up.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,9 +44,12 @@ def join_cluster(address: str = "auto") -> None:
 
 
 def current_node_id() -> str:
+    """This process's Ray node. `KVSTRATA_NODE_ID` overrides it: simulated nodes on one
+    machine share an IP, and a process that joins the cluster there may be attached to
+    another simulated node's raylet than the one it stands for."""
     import ray
 
-    return ray.get_runtime_context().get_node_id()
+    return os.environ.get("KVSTRATA_NODE_ID") or ray.get_runtime_context().get_node_id()
 
 
 def ensure_node_store(config: KvstrataConfig, node_id: str | None = None) -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -213,45 +214,52 @@ class PeerSync:
                 by_peer.setdefault(holders[0], []).append(index)
         slot_bytes = pool.geometry.slot_bytes
         per_call = max(1, self.config.fetch_batch_bytes // slot_bytes)
-        for node_id, indices in by_peer.items():
+        calls: list[tuple[str, list[int], Any]] = []
+        for node_id, indices in by_peer.items():  # every call in flight at once: transfers overlap
             for start in range(0, len(indices), per_call):
                 batch = indices[start : start + per_call]
-                keys = [items[i][0] for i in batch]
                 try:
-                    ref = self._store(node_id).export_chunks.remote(namespace, keys)
-                    found, digests, payload = ray.get(ref, timeout=self.config.call_timeout_seconds)
-                except Exception as exc:  # noqa: BLE001 - a dead or slow peer is a miss
-                    with self._lock:
-                        self.counters["fetch_failures"] += 1
-                        self._stores.pop(node_id, None)
-                    logger.warning(
-                        "kvstrata peers: fetch of %d chunks from node %s failed (%s); they miss",
-                        len(keys),
-                        node_id[:12],
-                        type(exc).__name__,
-                    )
+                    ref = self._store(node_id).export_chunks.remote(namespace, [items[i][0] for i in batch])
+                except Exception as exc:  # noqa: BLE001 - no such peer store (any more)
+                    self._fetch_failed(node_id, len(batch), exc)
                     continue
-                position = {key: n for n, key in enumerate(found)}
-                with self._lock:
-                    self.counters["fetch_calls"] += 1
-                for i in batch:
-                    key, slot = items[i]
-                    n = position.get(key)
-                    if n is None:  # evicted there since the directory heard of it
-                        self._forget(namespace, key, node_id, log)
-                        continue
-                    view = pool.view(slot)
-                    view[:] = payload[n * slot_bytes : (n + 1) * slot_bytes]
-                    if chunk_digest(namespace, key, view) != digests[n]:
-                        with self._lock:
-                            self.counters["corrupt_transfers"] += 1
-                        logger.warning("kvstrata peers: chunk %s from node %s failed its checksum", key_name(key), node_id[:12])
-                        continue
-                    ok[i] = True
+                calls.append((node_id, batch, ref))
+        deadline = time.monotonic() + self.config.call_timeout_seconds
+        for node_id, batch, ref in calls:
+            try:
+                found, digests, payload = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - a dead or slow peer is a miss
+                self._fetch_failed(node_id, len(batch), exc)
+                continue
+            position = {key: n for n, key in enumerate(found)}
+            with self._lock:
+                self.counters["fetch_calls"] += 1
+            for i in batch:
+                key, slot = items[i]
+                n = position.get(key)
+                if n is None:  # evicted there since the directory heard of it
+                    self._forget(namespace, key, node_id, log)
+                    continue
+                view = pool.view(slot)
+                view[:] = payload[n * slot_bytes : (n + 1) * slot_bytes]
+                if chunk_digest(namespace, key, view) != digests[n]:
                     with self._lock:
-                        self.counters["chunks_fetched"] += 1
-                        self.counters["bytes_fetched"] += slot_bytes
+                        self.counters["corrupt_transfers"] += 1
+                    logger.warning("kvstrata peers: chunk %s from node %s failed its checksum", key_name(key), node_id[:12])
+                    continue
+                ok[i] = True
+                with self._lock:
+                    self.counters["chunks_fetched"] += 1
+                    self.counters["bytes_fetched"] += slot_bytes
         return [ok[i] for i in range(len(items))]
+
+    def _fetch_failed(self, node_id: str, count: int, exc: Exception) -> None:
+        with self._lock:
+            self.counters["fetch_failures"] += 1
+            self._stores.pop(node_id, None)
+        logger.warning(
+            "kvstrata peers: fetch of %d chunks from node %s failed (%s); they miss", count, node_id[:12], type(exc).__name__
+        )
 
     def _store(self, node_id: str) -> Any:
         with self._lock:
