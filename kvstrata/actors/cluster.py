@@ -56,12 +56,21 @@ def store_nodes(config: ClusterConfig) -> list[str]:
     )
 
 
+def dead_nodes() -> set[str]:
+    import ray
+
+    return {node["NodeID"] for node in ray.nodes() if not node["Alive"]}
+
+
 class Reconciler:
     """Keeps one store on every wanted node and the directory free of departed nodes."""
 
     def __init__(self, config: dict[str, Any]):
         self.config = load_config(config)
         self._known: set[str] = set()
+        # Nodes whose entries this instance dropped. A reconciler restarted elsewhere (its
+        # node died) starts empty and drops every dead node once more: idempotent.
+        self._dropped: set[str] = set()
         self._stop = threading.Event()
         self.rounds = 0
         self._thread = threading.Thread(target=self._run, name="kvstrata-reconciler", daemon=True)
@@ -73,12 +82,14 @@ class Reconciler:
 
         cluster = self.config.cluster
         alive = set(store_nodes(cluster))
-        joined, left = sorted(alive - self._known), sorted(self._known - alive)
+        joined = sorted(alive - self._known)
+        left = sorted((dead_nodes() | (self._known - alive)) - self._dropped - alive)
         for node_id in joined:
             ensure_node_store(self.config, node_id)
         if left:
             shards = [directory_shard(s) for s in range(cluster.directory_shards)]
             dropped = ray.get([shard.drop_nodes.remote(left) for shard in shards], timeout=cluster.call_timeout_seconds)
+            self._dropped.update(left)
             logger.info("kvstrata reconciler: nodes %s left; %d directory entries dropped", left, sum(dropped))
         if joined:
             logger.info("kvstrata reconciler: stores ensured on %d new node(s)", len(joined))

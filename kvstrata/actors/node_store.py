@@ -548,7 +548,7 @@ class NodeStore:
             return True
         if self.disk is not None and self.disk.contains(namespace, key):
             batch = from_disk
-        elif self.peers is not None and self._log(namespace).has(key, PEER):
+        elif self.peers is not None and self._log(namespace).has(key, PEER) and self.peers.can_fetch(namespace, key):
             batch = from_peer
         elif self.object is not None and self.object.available() and self._log(namespace).has(key, OBJECT):
             batch = from_object

@@ -52,6 +52,10 @@ class PeerSync:
         self._pulled: dict[tuple[int, str], int] = {}  # (shard, namespace) -> directory seq seen
         self._peers: dict[str, dict[bytes, set[str]]] = {}  # namespace -> key -> other nodes holding it
         self._stores: dict[str, Any] = {}
+        # Peers whose fetch just failed: not asked again until the reconciler has had time
+        # to drop a dead node (a slow one is tried again after that).
+        self._suspect: dict[str, float] = {}
+        self._suspect_seconds = max(10.0, 2 * config.reconcile_seconds)
         self._failing = False
         self.counters = {
             "syncs": 0,
@@ -75,8 +79,13 @@ class PeerSync:
         self._thread.join(timeout=self.config.call_timeout_seconds + 5)
 
     def holders(self, namespace: str, key: bytes) -> set[str]:
+        """Other nodes holding a chunk that are worth asking now."""
+        now = time.monotonic()
         with self._lock:
-            return set(self._peers.get(namespace, {}).get(key, ()))
+            return {n for n in self._peers.get(namespace, {}).get(key, ()) if self._suspect.get(n, 0.0) <= now}
+
+    def can_fetch(self, namespace: str, key: bytes) -> bool:
+        return bool(self.holders(namespace, key))
 
     def stats(self) -> dict[str, object]:
         with self._lock:
@@ -257,6 +266,7 @@ class PeerSync:
         with self._lock:
             self.counters["fetch_failures"] += 1
             self._stores.pop(node_id, None)
+            self._suspect[node_id] = time.monotonic() + self._suspect_seconds
         logger.warning(
             "kvstrata peers: fetch of %d chunks from node %s failed (%s); they miss", count, node_id[:12], type(exc).__name__
         )
