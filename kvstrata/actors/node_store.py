@@ -246,41 +246,41 @@ class NodeStore:
                 rejected=rejected,
             )
 
-    def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], np.ndarray]:
-        """Chunks another node's store asked for: (keys found, their xxh3-128, bytes back to back).
+    def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
+        """Chunks another node's store asked for: (keys found, their xxh3-128, their bytes).
 
-        From the arena, else the disk (verified on read); absent ones are left out.
+        From the arena, else the disk (verified on read); absent ones are left out. Arena
+        chunks go out as views of their slots: Ray copies them into its object store when
+        this call returns, before this (single-threaded) actor runs another call, and no
+        background thread writes a committed slot -- the one copy on this side. The
+        receiver verifies every chunk against its digest anyway.
         """
+        found: list[bytes] = []
+        chunks: list[np.ndarray] = []
+        from_disk: list[bytes] = []
         with self._lock:
             pool = self.arena.pools.get(namespace)
             if pool is None:
-                return [], [], np.empty(0, np.uint8)
-            slot_bytes = pool.geometry.slot_bytes
-            payload = np.empty(len(keys) * slot_bytes, dtype=np.uint8)
-            found: list[bytes] = []
-            from_disk: list[bytes] = []
+                return [], [], []
             for key in keys:
                 slot = pool.lookup(key)
                 if slot is not None:
-                    payload[len(found) * slot_bytes : (len(found) + 1) * slot_bytes] = pool.view(slot)
                     found.append(key)
+                    chunks.append(pool.view(slot))
                 elif self.disk is not None and self.disk.contains(namespace, key):
                     from_disk.append(key)
+            slot_bytes = pool.geometry.slot_bytes
         if from_disk:
-            start = len(found)
-            views = [payload[(start + n) * slot_bytes : (start + n + 1) * slot_bytes] for n in range(len(from_disk))]
-            read = self.disk.read_many(namespace, list(zip(from_disk, views)))
-            for n, (key, ok) in enumerate(zip(from_disk, read)):
+            buffers = [np.empty(slot_bytes, dtype=np.uint8) for _ in from_disk]
+            read = self.disk.read_many(namespace, list(zip(from_disk, buffers)))
+            for key, buffer, ok in zip(from_disk, buffers, read):
                 if ok:
-                    if len(found) != start + n:  # close the gap a failed read left
-                        payload[len(found) * slot_bytes : (len(found) + 1) * slot_bytes] = views[n]
                     found.append(key)
-        digests = [
-            chunk_digest(namespace, key, payload[n * slot_bytes : (n + 1) * slot_bytes]) for n, key in enumerate(found)
-        ]
+                    chunks.append(buffer)
+        digests = [chunk_digest(namespace, key, chunk) for key, chunk in zip(found, chunks)]
         with self._lock:
             self.counters["chunks_exported"] += len(found)
-        return found, digests, payload[: len(found) * slot_bytes]
+        return found, digests, chunks
 
     def release_holder(self, holder: str) -> None:
         """An engine shutting down cleanly returns its pins and reservations at once."""

@@ -8,8 +8,9 @@ Runs inside the NodeStore actor when the config has a `cluster` section.
   `PEER`, so engines mirror them like any other tier: a lookup answers `RETRY`, the
   store fetches the chunk from a peer, and the next lookup is a `HIT`.
 - Fetch: chunks go from the peer store's arena (or disk) to this arena in one Ray call
-  per peer and batch (`fetch_batch_bytes`), as one numpy buffer through Ray's object
-  transfer -- never through the engine or the scheduler. Each chunk travels with the
+  per peer and batch (`fetch_batch_bytes`, all calls in flight at once), as numpy
+  arrays through Ray's object store and transfer -- never through the engine or the
+  scheduler. Each chunk travels with the
   xxh3-128 its holder computed and is verified here before it is committed.
 
 A dead peer, a stale entry or a directory that does not answer is a miss, counted and
@@ -236,7 +237,7 @@ class PeerSync:
         deadline = time.monotonic() + self.config.call_timeout_seconds
         for node_id, batch, ref in calls:
             try:
-                found, digests, payload = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                found, digests, chunks = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - a dead or slow peer is a miss
                 self._fetch_failed(node_id, len(batch), exc)
                 continue
@@ -250,7 +251,10 @@ class PeerSync:
                     self._forget(namespace, key, node_id, log)
                     continue
                 view = pool.view(slot)
-                view[:] = payload[n * slot_bytes : (n + 1) * slot_bytes]
+                if chunks[n].nbytes != slot_bytes:
+                    logger.warning("kvstrata peers: chunk %s from node %s has the wrong size", key_name(key), node_id[:12])
+                    continue
+                view[:] = chunks[n]
                 if chunk_digest(namespace, key, view) != digests[n]:
                     with self._lock:
                         self.counters["corrupt_transfers"] += 1
