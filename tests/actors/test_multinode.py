@@ -25,7 +25,7 @@ SLOT = 64 * 1024
 SHARDS = 2
 
 
-def wait_for(predicate, timeout_s=30.0, what="condition"):
+def wait_for(predicate, timeout_s=60.0, what="condition"):
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
