@@ -204,6 +204,11 @@ class ClusterConfig(_Strict):
     node_resource: str | None = Field(
         default=None, description="only nodes offering this custom resource get a store (default: every node)"
     )
+    node_label: str | None = Field(
+        default=None,
+        pattern=r"^[^=]+=[^=]*$",
+        description="only nodes with this Ray node label (`key=value`, from `ray start --labels`) get a store",
+    )
 
 
 class KvstrataConfig(_Strict):

@@ -48,12 +48,15 @@ def store_nodes(config: ClusterConfig) -> list[str]:
     """Alive nodes that should run a store."""
     import ray
 
-    wanted = config.node_resource
-    return sorted(
-        node["NodeID"]
-        for node in ray.nodes()
-        if node["Alive"] and (wanted is None or node.get("Resources", {}).get(wanted, 0) > 0)
-    )
+    resource, label = config.node_resource, config.node_label
+    label_key, _, label_value = (label or "").partition("=")
+
+    def wanted(node: dict) -> bool:
+        if resource is not None and node.get("Resources", {}).get(resource, 0) <= 0:
+            return False
+        return label is None or (node.get("Labels") or {}).get(label_key) == label_value
+
+    return sorted(node["NodeID"] for node in ray.nodes() if node["Alive"] and wanted(node))
 
 
 def dead_nodes() -> set[str]:

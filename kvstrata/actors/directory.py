@@ -1,4 +1,5 @@
-"""One shard of the cluster directory: which nodes hold which chunk of a namespace.
+"""One shard of the cluster directory: which nodes hold which chunk of a namespace, and
+in which of their tiers (arena or disk).
 
 Keys are spread over `cluster.directory_shards` shards by the first byte of their hash
 (block hashes are uniform). Each node store syncs with every shard every
@@ -21,12 +22,22 @@ import threading
 import uuid
 from collections.abc import Iterable
 
-from kvstrata.tiers.changelog import ChangeLog
+from kvstrata.tiers.changelog import CPU, STORAGE, ChangeLog
 
-# (key, present) as a store sends it; (key, node_id, present) as it comes back.
-Update = tuple[bytes, bool]
+# (key, tier, present) as a store sends it; (key, "<node id>/<tier>", present) as it comes back.
+Update = tuple[bytes, str, bool]
 NodeChange = tuple[bytes, str, bool]
 DIRECTORY_NAME_PREFIX = "kvstrata-directory-"
+TIERS = (CPU, STORAGE)  # what a node can hand to a peer: its arena, its disk
+
+
+def holder_label(node_id: str, tier: str) -> str:
+    return f"{node_id}/{tier}"
+
+
+def split_holder(label: str) -> tuple[str, str]:
+    node_id, _, tier = label.rpartition("/")
+    return node_id, tier
 
 
 def directory_actor_name(shard: int) -> str:
@@ -42,7 +53,7 @@ class DirectoryShard:
         self.shard = shard
         self.epoch = uuid.uuid4().hex[:12]
         self._lock = threading.Lock()
-        # One change log per namespace; its "medium" is the node that holds the chunk.
+        # One change log per namespace; its "medium" is the holder: "<node id>/<tier>".
         self._logs: dict[str, ChangeLog] = {}
 
     def ping(self) -> str:
@@ -62,12 +73,13 @@ class DirectoryShard:
             for namespace, (updates, known_seq, full) in batches.items():
                 log = self._logs.setdefault(namespace, ChangeLog())
                 if full:
-                    holding = {key for key, present in updates if present}
-                    for key in log.present(node_id):
-                        if key not in holding:
-                            log.record(key, node_id, False)
-                for key, present in updates:
-                    log.record(key, node_id, present)
+                    holding = {(key, tier) for key, tier, present in updates if present}
+                    for tier in TIERS:
+                        for key in log.present(holder_label(node_id, tier)):
+                            if (key, tier) not in holding:
+                                log.record(key, holder_label(node_id, tier), False)
+                for key, tier, present in updates:
+                    log.record(key, holder_label(node_id, tier), present)
                 since = log.since(known_seq) if known_seq >= 0 else None
                 if since is None:
                     seq, changes = log.snapshot()
@@ -82,9 +94,10 @@ class DirectoryShard:
         with self._lock:
             for log in self._logs.values():
                 for node_id in node_ids:
-                    for key in log.present(node_id):
-                        log.record(key, node_id, False)
-                        dropped += 1
+                    for tier in TIERS:
+                        for key in log.present(holder_label(node_id, tier)):
+                            log.record(key, holder_label(node_id, tier), False)
+                            dropped += 1
         return dropped
 
     def stats(self) -> dict[str, object]:

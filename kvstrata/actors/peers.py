@@ -25,18 +25,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.actors.directory import shard_of
+from kvstrata.actors.directory import TIERS, shard_of, split_holder
 from kvstrata.actors.options import STORE_NAMESPACE, store_actor_name
 from kvstrata.config import ClusterConfig
 from kvstrata.keys import key_name
-from kvstrata.tiers.changelog import CPU, PEER, STORAGE
+from kvstrata.tiers.changelog import CPU, PEER
 from kvstrata.tiers.records import chunk_digest
 
 if TYPE_CHECKING:
     from kvstrata.tiers.arena import SlotPool
 
 logger = logging.getLogger(__name__)
-HELD = (CPU, STORAGE)  # what this node can hand to a peer
 
 
 class PeerSync:
@@ -51,7 +50,8 @@ class PeerSync:
         self._epochs: list[str | None] = [None] * config.directory_shards  # None: send everything again
         self._published: dict[str, int] = {}  # namespace -> own log seq already sent
         self._pulled: dict[tuple[int, str], int] = {}  # (shard, namespace) -> directory seq seen
-        self._peers: dict[str, dict[bytes, set[str]]] = {}  # namespace -> key -> other nodes holding it
+        # namespace -> key -> other node holding it -> its tiers holding it (CPU, STORAGE)
+        self._peers: dict[str, dict[bytes, dict[str, set[str]]]] = {}
         self._stores: dict[str, Any] = {}
         # Peers whose fetch just failed: not asked again until the reconciler has had time
         # to drop a dead node (a slow one is tried again after that).
@@ -79,11 +79,13 @@ class PeerSync:
         self._stop.set()
         self._thread.join(timeout=self.config.call_timeout_seconds + 5)
 
-    def holders(self, namespace: str, key: bytes) -> set[str]:
-        """Other nodes holding a chunk that are worth asking now."""
+    def holders(self, namespace: str, key: bytes) -> list[str]:
+        """Other nodes holding a chunk that are worth asking now, those with it in RAM first."""
         now = time.monotonic()
         with self._lock:
-            return {n for n in self._peers.get(namespace, {}).get(key, ()) if self._suspect.get(n, 0.0) <= now}
+            nodes = self._peers.get(namespace, {}).get(key, {})
+            ready = [node for node in nodes if self._suspect.get(node, 0.0) <= now]
+            return sorted(ready, key=lambda node: (CPU not in nodes[node], node))
 
     def can_fetch(self, namespace: str, key: bytes) -> bool:
         return bool(self.holders(namespace, key))
@@ -110,20 +112,22 @@ class PeerSync:
 
         shards = self.config.directory_shards
         logs = dict(self._logs())
-        batches: list[dict[str, tuple[list[tuple[bytes, bool]], int, bool]]] = [{} for _ in range(shards)]
+        batches: list[dict[str, tuple[list[tuple[bytes, str, bool]], int, bool]]] = [{} for _ in range(shards)]
         published: dict[str, int] = {}
         for namespace, log in logs.items():
             since = log.since(self._published.get(namespace, -1)) if namespace in self._published else None
             seq, changes = since if since is not None else log.snapshot()
             published[namespace] = seq
-            updates: list[list[tuple[bytes, bool]]] = [[] for _ in range(shards)]
-            for key in {key for key, medium, _ in changes if medium in HELD}:
-                updates[shard_of(key, shards)].append((key, log.has(key, CPU) or log.has(key, STORAGE)))
+            updates: list[list[tuple[bytes, str, bool]]] = [[] for _ in range(shards)]
+            for key, medium, present in changes:
+                if medium in TIERS:
+                    updates[shard_of(key, shards)].append((key, medium, present))
             for shard in range(shards):
                 full = self._epochs[shard] is None or since is None
                 if full:  # the shard forgot us (or never knew us): our whole holding
-                    held = {key for medium in HELD for key in log.present(medium)}
-                    shard_updates = [(key, True) for key in held if shard_of(key, shards) == shard]
+                    shard_updates = [
+                        (key, tier, True) for tier in TIERS for key in log.present(tier) if shard_of(key, shards) == shard
+                    ]
                 else:
                     shard_updates = updates[shard]
                 known = self._pulled.get((shard, namespace), -1) if self._epochs[shard] is not None else -1
@@ -185,14 +189,18 @@ class PeerSync:
                     for key in [k for k in peers if shard_of(k, shards) == shard]:
                         del peers[key]
                         touched.add(key)
-                for key, node_id, present in changes:
+                for key, holder, present in changes:
+                    node_id, tier = split_holder(holder)
                     if node_id == self.node_id:
                         continue
                     touched.add(key)
                     if present:
-                        peers.setdefault(key, set()).add(node_id)
-                    elif key in peers:
-                        peers[key].discard(node_id)
+                        peers.setdefault(key, {}).setdefault(node_id, set()).add(tier)
+                    elif node_id in peers.get(key, {}):
+                        tiers = peers[key][node_id]
+                        tiers.discard(tier)
+                        if not tiers:
+                            del peers[key][node_id]
                         if not peers[key]:
                             del peers[key]
                 log = logs.get(namespace)
@@ -204,7 +212,7 @@ class PeerSync:
         with self._lock:
             holders = self._peers.get(namespace, {}).get(key)
             if holders is not None:
-                holders.discard(node_id)
+                holders.pop(node_id, None)
                 if not holders:
                     del self._peers[namespace][key]
                     log.record(key, PEER, False)
@@ -219,7 +227,7 @@ class PeerSync:
         ok = dict.fromkeys(range(len(items)), False)
         by_peer: dict[str, list[int]] = {}
         for index, (key, _) in enumerate(items):
-            holders = sorted(self.holders(namespace, key))
+            holders = self.holders(namespace, key)
             if holders:
                 by_peer.setdefault(holders[0], []).append(index)
         slot_bytes = pool.geometry.slot_bytes
