@@ -180,7 +180,11 @@ class PeerSync:
     def _apply(self, shard: int, epoch: str, replies: dict, logs: dict) -> None:
         shards = self.config.directory_shards
         with self._lock:
-            self._epochs[shard] = epoch
+            previous, self._epochs[shard] = self._epochs[shard], epoch
+            if previous is not None and previous != epoch:
+                # Restarted between two syncs: it holds only the changes we just sent.
+                # Send it everything next time (and take its snapshot then).
+                self._epochs[shard] = None
             for namespace, (seq, changes, snapshot) in replies.items():
                 self._pulled[(shard, namespace)] = seq
                 peers = self._peers.setdefault(namespace, {})

@@ -98,3 +98,35 @@ def test_stores_go_to_the_nodes_the_config_selects(monkeypatch):
     assert store_nodes(ClusterConfig(node_resource="kv")) == ["n1"]
     assert store_nodes(ClusterConfig(node_label="tier=cpu")) == ["n2"]
     assert dead_nodes() == {"n3"}
+
+
+def test_a_shard_restarted_between_two_syncs_gets_the_whole_holding_again(monkeypatch):
+    import ray
+
+    from kvstrata.actors.peers import PeerSync
+    from kvstrata.config import ClusterConfig
+    from kvstrata.tiers.changelog import CPU, ChangeLog
+
+    class Call:
+        def __init__(self, shard):
+            self.shard = shard
+
+        def remote(self, node_id, batches):
+            return self.shard.sync(node_id, batches)
+
+    shard = DirectoryShard(0)
+    log = ChangeLog()
+    peers = PeerSync("a", ClusterConfig(directory_shards=1), lambda: {NS: log}, lambda s: None)
+    peers._directory = lambda s: type("Handle", (), {"sync": Call(shard)})()
+    # Calls answer at once, in-process: a "reference" is the answer itself.
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    monkeypatch.setattr(ray, "wait", lambda refs, **kwargs: (refs, []))
+    log.record(key(1), CPU, True)
+    peers.sync_once()
+    assert shard.stats()["namespaces"] == {NS: 1}
+    shard.__init__(0)  # restarted: empty, new epoch, and nothing failed on our side
+    log.record(key(2), CPU, True)
+    peers.sync_once()  # sends only key 2, learns the new epoch
+    peers.sync_once()  # sends everything
+    _, replies = shard.sync("b", {NS: ([], -1, False)})
+    assert sorted(replies[NS][1]) == sorted([(key(1), "a/CPU", True), (key(2), "a/CPU", True)])
