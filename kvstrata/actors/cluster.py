@@ -18,7 +18,7 @@ from typing import Any
 
 from kvstrata.actors.client import ensure_node_store, get_node_store, shutdown_node_store
 from kvstrata.actors.directory import DirectoryShard, directory_actor_name
-from kvstrata.actors.options import STORE_NAMESPACE
+from kvstrata.actors.options import STORE_NAMESPACE, service_actor_options
 from kvstrata.config import ClusterConfig, KvstrataConfig, load_config
 
 logger = logging.getLogger(__name__)
@@ -29,19 +29,7 @@ def directory_shard(shard: int) -> Any:
     """The actor of one directory shard, created if it does not exist (restarted by Ray if it dies)."""
     import ray
 
-    return (
-        ray.remote(DirectoryShard)
-        .options(
-            name=directory_actor_name(shard),
-            namespace=STORE_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            max_restarts=-1,
-            max_task_retries=0,
-            num_cpus=0,
-        )
-        .remote(shard)
-    )
+    return ray.remote(DirectoryShard).options(**service_actor_options(directory_actor_name(shard))).remote(shard)
 
 
 def store_nodes(config: ClusterConfig) -> list[str]:
@@ -120,19 +108,8 @@ def up(config: KvstrataConfig) -> dict[str, Any]:
         raise ValueError("kvstrata up for a cluster needs a `cluster` section in the config")
     shards = [directory_shard(s) for s in range(config.cluster.directory_shards)]
     ray.get([shard.ping.remote() for shard in shards], timeout=60)
-    reconciler = (
-        ray.remote(Reconciler)
-        .options(
-            name=RECONCILER_NAME,
-            namespace=STORE_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            max_restarts=-1,
-            num_cpus=0,
-            max_concurrency=4,
-        )
-        .remote(config.model_dump())
-    )
+    options = service_actor_options(RECONCILER_NAME, max_concurrency=4)  # `stop` while its loop runs
+    reconciler = ray.remote(Reconciler).options(**options).remote(config.model_dump())
     ray.get(reconciler.reconcile.remote(), timeout=120)  # stores now, not one period from now
     nodes = store_nodes(config.cluster)
     epochs = ray.get([get_node_store(node).ping.remote() for node in nodes], timeout=120)

@@ -17,17 +17,27 @@ def node_tag(node_id: str) -> str:
     return node_id[:12]
 
 
-def node_store_options(node_id: str, num_cpus: float = 0.0) -> dict[str, Any]:
-    """Options for the detached, node-pinned, self-restarting store of one node."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+def service_actor_options(name: str, **extra: Any) -> dict[str, Any]:
+    """Options every kvstrata actor shares: named in the kvstrata namespace, outliving the
+    job that created it, found instead of duplicated, restarted by Ray when it dies."""
     return {
-        "name": store_actor_name(node_id),
+        "name": name,
         "namespace": STORE_NAMESPACE,
         "lifetime": "detached",
         "get_if_exists": True,
         "max_restarts": -1,
         "max_task_retries": 0,
-        "num_cpus": num_cpus,
-        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        "num_cpus": 0,
+        **extra,
     }
+
+
+def node_store_options(node_id: str, num_cpus: float = 0.0) -> dict[str, Any]:
+    """Options for the detached, node-pinned, self-restarting store of one node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return service_actor_options(
+        store_actor_name(node_id),
+        num_cpus=num_cpus,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    )
