@@ -72,6 +72,13 @@ def probe(sim_node, holder: str):
     return actor
 
 
+def stored_and_known(writer, reader, keys, seed, what):
+    """Store chunks through `writer`'s node and wait until `reader`'s store knows them as a peer's."""
+    written = ray.get(writer.store_chunks.remote(keys, seed))
+    wait_for(lambda: ray.get(reader.knows.remote(keys, "PEER")), what=what)
+    return written
+
+
 def test_up_places_one_store_per_node(cluster):
     _, nodes, _ = cluster
     for name, sim_node in nodes.items():
@@ -83,8 +90,7 @@ def test_chunks_stored_on_one_node_are_loaded_on_another_bit_exact(cluster):
     _, nodes, _ = cluster
     writer, reader = probe(nodes["a"], "writer-a"), probe(nodes["c"], "reader-c")
     keys = [key(i, group=i % 2) for i in range(6)]
-    written = ray.get(writer.store_chunks.remote(keys, 1))
-    wait_for(lambda: ray.get(reader.knows.remote(keys, "PEER")), what="node C learning node A's chunks")
+    written = stored_and_known(writer, reader, keys, 1, what="node C learning node A's chunks")
     loaded = ray.get(reader.load_chunks.remote(keys))
     assert [loaded[k] for k in keys] == written
     reader_stats, writer_stats = ray.get(reader.stats.remote()), ray.get(writer.stats.remote())
@@ -100,8 +106,7 @@ def test_a_node_that_leaves_becomes_misses_and_the_reconciler_follows_joins(clus
     sim, nodes, _ = cluster
     writer, reader = probe(nodes["b"], "writer-b"), probe(nodes["c"], "reader-c2")
     keys = [key(100 + i) for i in range(4)]
-    ray.get(writer.store_chunks.remote(keys, 2))
-    wait_for(lambda: ray.get(reader.knows.remote(keys, "PEER")), what="node C learning node B's chunks")
+    stored_and_known(writer, reader, keys, 2, what="node C learning node B's chunks")
     gone = node_id(nodes.pop("b"))
     sim.remove_node(sim.list_all_nodes()[[n.node_id for n in sim.list_all_nodes()].index(gone)])
     started = time.monotonic()
@@ -129,8 +134,7 @@ def test_a_directory_restart_degrades_to_local_then_recovers(cluster):
     _, nodes, config = cluster
     writer, reader = probe(nodes["a"], "writer-a3"), probe(nodes["c"], "reader-c3")
     before = [key(300 + i) for i in range(3)]
-    ray.get(writer.store_chunks.remote(before, 4))
-    wait_for(lambda: ray.get(reader.knows.remote(before, "PEER")), what="node C learning the first chunks")
+    stored_and_known(writer, reader, before, 4, what="node C learning the first chunks")
     for shard in range(SHARDS):
         ray.kill(directory_shard(shard), no_restart=False)  # Ray restarts it, empty, new epoch
     own = [key(400)]  # local hits never needed the directory

@@ -36,6 +36,21 @@ def server(tmp_path_factory):
         s3.stop()
 
 
+@pytest.fixture
+def black_hole():
+    """An endpoint that accepts connections (into the kernel backlog) and never answers."""
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)
+        yield f"http://127.0.0.1:{hole.getsockname()[1]}"
+
+
+def black_hole_tier(endpoint: str, client: str, **overrides) -> ObjectTier:
+    storage = {"key": "access-key-id", "secret": "secret-access-key"}
+    return ObjectTier(ObjectTierConfig(url="s3://kvstrata/kv", endpoint_url=endpoint, storage_options=storage,
+                                       client=client, **{**FAST, **overrides}))  # fmt: skip
+
+
 def tier_for(server, url="s3://kvstrata/kv", **overrides):
     settings = {"endpoint_url": server.endpoint_url, "storage_options": server.storage_options(), **FAST}
     config = ObjectTierConfig(url=url, **{**settings, **overrides})
@@ -176,48 +191,27 @@ def test_a_server_that_dies_is_a_bounded_failure(tmp_path):
 
 
 @pytest.mark.parametrize("client", ["pyarrow", "fsspec"])
-def test_a_black_holed_server_costs_one_timeout_not_one_per_chunk(client):
-    with socket.socket() as hole:  # accepts connections (kernel backlog), never answers
-        hole.bind(("127.0.0.1", 0))
-        hole.listen(64)
-        config = ObjectTierConfig(
-            url="s3://kvstrata/kv",
-            endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
-            storage_options={"key": "access-key-id", "secret": "secret-access-key"},
-            max_concurrency=4,
-            client=client,
-            **FAST,
-        )
-        tier = ObjectTier(config)
-        started = time.monotonic()
-        results = tier.put_many(NS, [(key(i), chunk(i)) for i in range(32)])
-        elapsed = time.monotonic() - started
-        assert results == [False] * 32
-        # 4 requests in flight each give up after 2 attempts x 1 s; the rest are skipped.
-        assert elapsed < 2 * (1 + 1) + 5
-        assert tier.counters["put_failures"] <= 4
-        assert tier.counters["skipped_while_paused"] >= 28
-        started = time.monotonic()
-        assert tier.get_many(NS, [(key(1), np.zeros(SIZE, np.uint8))]) == [False]
-        assert time.monotonic() - started < 0.5  # paused: answered at once
-        tier.close()
+def test_a_black_holed_server_costs_one_timeout_not_one_per_chunk(black_hole, client):
+    tier = black_hole_tier(black_hole, client, max_concurrency=4)
+    started = time.monotonic()
+    results = tier.put_many(NS, [(key(i), chunk(i)) for i in range(32)])
+    elapsed = time.monotonic() - started
+    assert results == [False] * 32
+    # 4 requests in flight each give up after 2 attempts x 1 s; the rest are skipped.
+    assert elapsed < 2 * (1 + 1) + 5
+    assert tier.counters["put_failures"] <= 4
+    assert tier.counters["skipped_while_paused"] >= 28
+    started = time.monotonic()
+    assert tier.get_many(NS, [(key(1), np.zeros(SIZE, np.uint8))]) == [False]
+    assert time.monotonic() - started < 0.5  # paused: answered at once
+    tier.close()
 
 
 @pytest.mark.parametrize("client", ["pyarrow", "fsspec"])
-def test_a_get_from_a_black_holed_server_gives_up_within_its_timeouts(client):
-    with socket.socket() as hole:
-        hole.bind(("127.0.0.1", 0))
-        hole.listen(64)
-        config = ObjectTierConfig(
-            url="s3://kvstrata/kv",
-            endpoint_url=f"http://127.0.0.1:{hole.getsockname()[1]}",
-            storage_options={"key": "access-key-id", "secret": "secret-access-key"},
-            client=client,
-            **FAST,
-        )
-        tier = ObjectTier(config)
-        started = time.monotonic()
-        assert tier.get_many(NS, [(key(i), np.zeros(SIZE, np.uint8)) for i in range(8)]) == [False] * 8
-        assert time.monotonic() - started < 2 * (1 + 1) + 5
-        assert tier.counters["get_failures"] >= 1 and not tier.available()
-        tier.close()
+def test_a_get_from_a_black_holed_server_gives_up_within_its_timeouts(black_hole, client):
+    tier = black_hole_tier(black_hole, client)
+    started = time.monotonic()
+    assert tier.get_many(NS, [(key(i), np.zeros(SIZE, np.uint8)) for i in range(8)]) == [False] * 8
+    assert time.monotonic() - started < 2 * (1 + 1) + 5
+    assert tier.counters["get_failures"] >= 1 and not tier.available()
+    tier.close()
