@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any
 
-from kvstrata.actors.client import ensure_node_store, get_node_store, shutdown_node_store
+from kvstrata.actors.client import StoreUnavailable, ensure_node_store, get_node_store, shutdown_node_store
 from kvstrata.actors.directory import DirectoryShard, directory_actor_name
 from kvstrata.actors.options import STORE_NAMESPACE, service_actor_options
 from kvstrata.config import ClusterConfig, KvstrataConfig, load_config
@@ -63,7 +63,6 @@ class Reconciler:
         # node died) starts empty and drops every dead node once more: idempotent.
         self._dropped: set[str] = set()
         self._stop = threading.Event()
-        self.rounds = 0
         self._thread = threading.Thread(target=self._run, name="kvstrata-reconciler", daemon=True)
         self._thread.start()
 
@@ -85,7 +84,6 @@ class Reconciler:
         if joined:
             logger.info("kvstrata reconciler: stores ensured on %d new node(s)", len(joined))
         self._known = alive
-        self.rounds += 1
         return {"joined": joined, "left": left}
 
     def stop(self) -> None:
@@ -119,8 +117,6 @@ def up(config: KvstrataConfig) -> dict[str, Any]:
 def down(config: KvstrataConfig) -> None:
     """Stop the reconciler, take every store down, end the directory (on purpose, by handle)."""
     import ray
-
-    from kvstrata.actors.client import StoreUnavailable
 
     try:
         reconciler = ray.get_actor(RECONCILER_NAME, namespace=STORE_NAMESPACE)

@@ -518,7 +518,9 @@ class StrataManager(OffloadingManager):
                 self._req_keys.setdefault(req_id, set()).add(key)
             held = self._pinned.get(key)
             if held is None:
-                self._pinned[key] = _Pin(slot, self._epoch, set(waiters), 0, promoted_from, frozenset(waiters))
+                self._pinned[key] = _Pin(
+                    slot, self._epoch, requests=set(waiters), promoted_from=promoted_from, promoted_for=frozenset(waiters)
+                )
             else:
                 held.requests |= waiters
                 if held.slot != slot:
