@@ -13,6 +13,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+# Layout fields that steer policy, not bytes: kept out of the namespace digest so that
+# engines that know more (a newer vLLM) still share chunks with those that know less.
+POLICY_FIELDS = ("anchor_groups",)
+
 GROUP_BYTES = 4
 # Slots are page aligned: DMA registration and O_DIRECT both want it.
 SLOT_ALIGNMENT = 4096
@@ -59,6 +63,10 @@ class Layout:
     dcp_size: int
     hash_algo: str
     namespace_prefix: str = ""
+    # KV groups whose attention reaches back without bound (full attention), when vLLM
+    # says (0.33+: `sliding_window_size_in_chunks is None`); None when unknown. A
+    # sliding-window or Mamba chunk is useless once its position's anchor chunk is gone.
+    anchor_groups: tuple[int, ...] | None = None
 
     @property
     def rank_bytes(self) -> int:
@@ -73,7 +81,8 @@ class Layout:
     @property
     def namespace(self) -> str:
         """Stable digest of the layout; also part of file and object names."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = {name: value for name, value in asdict(self).items() if name not in POLICY_FIELDS}
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         digest = hashlib.blake2b(canonical.encode(), digest_size=10).hexdigest()
         return digest
 

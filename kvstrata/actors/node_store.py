@@ -161,6 +161,10 @@ class NodeStore:
         with self._lock:
             self.arena.expire()
             pool = self._pool(namespace, slot_bytes)
+            anchors = (layout or {}).get("anchor_groups")
+            pool.positions.set_anchor_groups(anchors)
+            if self.disk is not None:
+                self.disk.set_anchor_groups(namespace, anchors)
             if layout is not None and namespace not in self.layouts:
                 self.layouts[namespace] = dict(layout)
                 if self.object is not None:

@@ -27,6 +27,7 @@ import numpy as np
 from kvstrata.keys import key_name
 from kvstrata.tiers.leases import LeaseTable
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
+from kvstrata.tiers.positions import Positions
 from kvstrata.tiers.shm import SharedMemoryFile
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class SlotPool:
     evicted slot (write-back to disk, to the object store, or both): it returns the holder
     names that keep the bytes pinned as an orphan until each unpins them; none frees the
     slot at once.
+
+    Hybrid models: once `positions` knows the anchor (full-attention) groups, evicting an
+    anchor chunk also evicts the unpinned chunks of the other groups at its position.
     """
 
     def __init__(self, arena: "Arena", geometry: PoolGeometry, policy: EvictionPolicy):
@@ -80,7 +84,14 @@ class SlotPool:
         self._held: dict[str, set[int]] = {}
         self.on_change: Callable[[bytes, bool], None] | None = None
         self.on_evict: Callable[[bytes, int], list[str]] | None = None
-        self.counters = {"evicted": 0, "committed": 0, "duplicate_commits": 0, "reserve_shortfall": 0}
+        self.positions = Positions()
+        self.counters = {
+            "evicted": 0,
+            "evicted_with_anchor": 0,
+            "committed": 0,
+            "duplicate_commits": 0,
+            "reserve_shortfall": 0,
+        }
 
     @property
     def namespace(self) -> str:
@@ -167,6 +178,7 @@ class SlotPool:
             return False
         self._slot_of[key] = slot
         self._key_of[slot] = key
+        self.positions.add(key)
         self.policy.add(slot)
         self._record(key, added=True)
         self.counters["committed"] += 1
@@ -256,6 +268,7 @@ class SlotPool:
     def _remove_index(self, key: bytes, slot: int) -> None:
         del self._slot_of[key]
         del self._key_of[slot]
+        self.positions.remove(key)
         self.policy.remove(slot)
         self._record(key, added=False)
 
@@ -264,17 +277,25 @@ class SlotPool:
             if slot in self._pins:
                 continue
             key = self._key_of[slot]
-            self._remove_index(key, slot)
-            self.counters["evicted"] += 1
-            keepers = self.on_evict(key, slot) if self.on_evict is not None else []
-            if not keepers:
-                self._free.append(slot)
-            else:
-                self._orphans.add(slot)
-                for keeper in keepers:
-                    self._pin_slot(keeper, slot)
+            self._evict(key, slot)
+            for dependent in self.positions.dependents(key):
+                dependent_slot = self._slot_of[dependent]
+                if dependent_slot not in self._pins:
+                    self._evict(dependent, dependent_slot)
+                    self.counters["evicted_with_anchor"] += 1
             return True
         return False
+
+    def _evict(self, key: bytes, slot: int) -> None:
+        self._remove_index(key, slot)
+        self.counters["evicted"] += 1
+        keepers = self.on_evict(key, slot) if self.on_evict is not None else []
+        if not keepers:
+            self._free.append(slot)
+        else:
+            self._orphans.add(slot)
+            for keeper in keepers:
+                self._pin_slot(keeper, slot)
 
     def _grow(self) -> bool:
         segment_index = len(self.segments)

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvstrata.keys import SLOT_ALIGNMENT, align_up, key_name
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
+from kvstrata.tiers.positions import Positions
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class _Slab:
         self.index: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.busy: dict[int, int] = {}  # record -> I/O operations in flight
+        self.positions = Positions()
 
     def offset(self, record: int) -> int:
         return record * self.record_bytes
@@ -173,12 +175,14 @@ class DiskTier:
         self.on_change = on_change
         self._lock = threading.Lock()
         self._slabs: dict[str, _Slab] = {}
+        self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
         self._allocated = 0
         self.admitting = True
         self.counters = {
             "stored": 0,
             "read": 0,
             "evicted": 0,
+            "evicted_with_anchor": 0,
             "corrupt_chunks": 0,
             "write_errors": 0,
             "read_errors": 0,
@@ -191,6 +195,15 @@ class DiskTier:
     def namespaces(self) -> list[str]:
         with self._lock:
             return list(self._slabs)
+
+    def set_anchor_groups(self, namespace: str, groups: list[int] | tuple[int, ...] | None) -> None:
+        """The full-attention groups of a namespace (see `Positions`), once an engine knows them."""
+        with self._lock:
+            slab = self._slabs.get(namespace)
+            if slab is not None:
+                slab.positions.set_anchor_groups(groups)
+            else:
+                self._anchor_groups[namespace] = groups
 
     def contains(self, namespace: str, key: bytes) -> bool:
         with self._lock:
@@ -268,6 +281,7 @@ class DiskTier:
                 key = items[i][0]
                 slab.index[key] = record
                 slab.key_of[record] = key
+                slab.positions.add(key)
                 slab.policy.add(record)
                 stored[i] = True
             self.counters["stored"] += len(todo) - len(failed)
@@ -410,6 +424,7 @@ class DiskTier:
         if slab is None:
             path = self.root / f"{namespace}-{payload_bytes}{SLAB_SUFFIX}"
             slab = _Slab(path, namespace, payload_bytes, self.direct_io, make_policy(self.eviction_policy))
+            slab.positions.set_anchor_groups(self._anchor_groups.pop(namespace, None))
             self._slabs[namespace] = slab
         elif slab.payload_bytes != payload_bytes:
             raise ValueError(
@@ -430,16 +445,24 @@ class DiskTier:
                 continue
             key = slab.key_of[record]
             self._drop(slab, key, record, free=False)
-            self.counters["evicted"] += 1
-            if self.on_change is not None:
+            evicted = [key]
+            for dependent in slab.positions.dependents(key):  # dead weight without their anchor
+                dependent_record = slab.index[dependent]
+                if dependent_record not in slab.busy:
+                    self._drop(slab, dependent, dependent_record)
+                    evicted.append(dependent)
+                    self.counters["evicted_with_anchor"] += 1
+            self.counters["evicted"] += len(evicted)
+            for evicted_key in evicted:
                 # Outside-lock notification would reorder events; the callback is cheap.
-                self.on_change(slab.namespace, key, False)
+                self._notify(slab.namespace, evicted_key, False)
             return record
         return None
 
     def _drop(self, slab: _Slab, key: bytes, record: int, free: bool = True) -> None:
         del slab.index[key]
         del slab.key_of[record]
+        slab.positions.remove(key)
         slab.policy.remove(record)
         if free:
             slab.free.append(record)
@@ -464,6 +487,7 @@ class DiskTier:
                     continue
                 slab.index[parsed.key] = record
                 slab.key_of[record] = parsed.key
+                slab.positions.add(parsed.key)
                 slab.policy.add(record)
             self._allocated += slab.num_records * slab.record_bytes
             if slab.index:

@@ -215,3 +215,44 @@ def test_invalid_arena_settings_are_named(tmp_path):
         Arena(str(tmp_path), "n", capacity=1, segment_size=1, lease_seconds=1, eviction_policy="fifo")
     with pytest.raises(ValueError, match="not a directory"):
         Arena(str(tmp_path / "missing"), "n", capacity=1, segment_size=1, lease_seconds=1)
+
+
+def test_evicting_a_full_attention_chunk_takes_the_window_and_state_at_its_position(arena):
+    """Hybrid model, group 0 full attention, 1 sliding window, 2 Mamba: the window and the
+    state at a position are only ever loaded with that position's group-0 chunk."""
+    pool = arena.pool("ns", SLOT)
+    pool.positions.set_anchor_groups([0])
+    p0 = [key(0, group=g) for g in (0, 1, 2)]  # one position, three groups
+    p1 = [key(1, group=0)]
+    fill(pool, "w", p0 + p1)
+    pool.drop_holder("w")
+    pool.touch([p0[1], p0[2], p1[0]])  # the full-attention chunk of position 0 is now the oldest
+    assert len(pool.reserve("x", 1)) == 1
+    assert [pool.lookup(k) for k in p0] == [None, None, None]  # the position left as a whole
+    assert pool.lookup(p1[0]) is not None
+    assert pool.stats()["evicted_with_anchor"] == 2
+    assert len(pool.reserve("x", 2)) == 2  # and its slots are free for the next stores
+
+
+def test_a_window_chunk_leaves_alone_and_a_pinned_one_stays(arena):
+    pool = arena.pool("ns", SLOT)
+    pool.positions.set_anchor_groups([0])
+    full, window, state = (key(0, group=g) for g in (0, 1, 2))
+    fill(pool, "w", [window, full, state, key(1)])
+    pool.drop_holder("w")
+    pool.reserve("x", 1)  # the window chunk is the oldest: only it goes
+    assert pool.lookup(window) is None and pool.lookup(full) is not None and pool.lookup(state) is not None
+    pool.pin("reader", [state])
+    pool.touch([key(1)])
+    pool.reserve("x", 1)  # the full-attention chunk goes; the pinned state is being loaded: kept
+    assert pool.lookup(full) is None and pool.lookup(state) is not None
+
+
+def test_without_known_anchor_groups_positions_are_not_linked(arena):
+    """vLLM < 0.33 does not say which group is full attention: plain LRU, chunk by chunk."""
+    pool = arena.pool("ns", SLOT)
+    keys = [key(0, group=g) for g in (0, 1)] + [key(1), key(2)]
+    fill(pool, "w", keys)
+    pool.drop_holder("w")
+    pool.reserve("x", 1)
+    assert pool.lookup(keys[0]) is None and pool.lookup(keys[1]) is not None

@@ -205,3 +205,19 @@ def test_a_wrong_size_chunk_is_refused_before_anything_is_allocated(tmp_path, ti
         tier.write_many(NS, [(key(1), chunk(1)), (key(2), chunk(2, size=CHUNK // 2))])
     assert tier.stats()["allocated"] == 0 and tier.keys(NS) == []
     assert tier.write(NS, key(1), chunk(1))
+
+
+def test_evicting_a_full_attention_chunk_drops_the_other_groups_at_its_position(tmp_path, tiers):
+    capacity = 4 * (HEADER_BYTES + CHUNK)
+    removed = []
+    tier = open_tier(tiers, tmp_path, capacity=capacity, on_change=lambda ns, k, present: present or removed.append(k))
+    tier.set_anchor_groups(NS, [0])
+    position = [key(0, group=g) for g in (0, 1, 2)]
+    for i, k in enumerate(position + [key(1)]):
+        assert tier.write(NS, k, chunk(i))
+    assert tier.write(NS, key(2), chunk(9))  # full: the oldest (position 0's anchor) goes, with its window and state
+    assert removed[0] == position[0] and set(removed) == set(position)
+    assert tier.stats()["evicted_with_anchor"] == 2
+    assert tier.contains(NS, key(1)) and tier.contains(NS, key(2))
+    assert tier.write(NS, key(3), chunk(10)) and tier.write(NS, key(4), chunk(11))  # freed records are reused
+    assert tier.stats()["allocated"] <= capacity
