@@ -8,6 +8,7 @@ Supported: vLLM 0.29 through 0.33 (CI runs the connector tests on 0.29.0, 0.32.0
 | vLLM | difference | here |
 |---|---|---|
 | 0.29 | `OffloadingGroupConfig` has no `group_id` (a group's index is its position) | `group_ids()` |
+| < 0.32 | no `ReqContext.get_offload_key_position` | `key_position()` is None: order of arrival |
 | 0.29 | `OffloadPolicy.BLOCK_LEVEL`, renamed `CHUNK_LEVEL` in 0.30 | not used by kvstrata |
 | < 0.32 | no `get_load_source` / `CacheHitSource` (where a hit came from) | `load_source()` is None, never asked |
 | < 0.33 | no `OffloadingManager.lock`: callers never take it | the manager locks itself (reentrant) on every version |
@@ -15,6 +16,8 @@ Supported: vLLM 0.29 through 0.33 (CI runs the connector tests on 0.29.0, 0.32.0
 | < 0.33 | no `config_info` / `config_info_keys` | not used: 0.33's defaults (no labels) apply |
 | < 0.33 | `submit_load` has no `expedited` argument | the worker accepts and ignores it |
 | < 0.33 | `OffloadingEvent` has no `metadata_only` | never set |
+| < 0.33 | groups do not say which are full attention (`sliding_window_size_in_chunks`) | `anchor_groups()` is None |
+| all | `OffloadingEvent.ownership` / `removal_expected` | set per tier by `make_event` |
 """
 
 from __future__ import annotations
@@ -76,17 +79,48 @@ def check_vllm_version() -> None:
 
 
 REMOTE_MEDIA = {"OBJECT": "STORAGE", "PEER": "CPU"}
+# vLLM's `ownership` names the secondary tier an event comes from (None: the primary
+# tier, the node arena). With it, vLLM's self-describing event tracker keeps one
+# residency per tier and keeps a chunk's payload until the last tier drops it.
+OWNERSHIP = {"STORAGE": "kvstrata-disk", "OBJECT": "kvstrata-object", "PEER": "kvstrata-peer"}
 
 
 def make_event(keys: list[bytes], removed: bool, medium: str = "CPU") -> OffloadingEvent:
     """An event of a tier: `CPU` (the node arena), `STORAGE` (the node's disk), `OBJECT`
     (the shared object store: vLLM's STORAGE medium, remote) or `PEER` (another node's
-    store: CPU medium, remote)."""
+    store: CPU medium, remote).
+
+    Every tier announces its removals, so every store says so (`removal_expected`).
+    """
     remote = medium in REMOTE_MEDIA
-    kwargs: dict[str, Any] = {"keys": keys, "medium": Medium(REMOTE_MEDIA.get(medium, medium)), "removed": removed}
+    kwargs: dict[str, Any] = {
+        "keys": keys,
+        "medium": Medium(REMOTE_MEDIA.get(medium, medium)),
+        "removed": removed,
+        "ownership": OWNERSHIP.get(medium),
+        "removal_expected": not removed,
+    }
     if Locality is not None:
         kwargs["locality"] = Locality.REMOTE if remote else Locality.LOCAL
     return OffloadingEvent(**kwargs)
+
+
+def anchor_groups(config: OffloadingConfig) -> tuple[int, ...] | None:
+    """The full-attention groups, where vLLM says which they are (0.33+); else None.
+
+    0.33 gives each group `sliding_window_size_in_chunks` (None: full attention); before
+    that the offloading config does not tell a sliding-window or Mamba group apart.
+    """
+    if not all(hasattr(group, "sliding_window_size_in_chunks") for group in config.groups):
+        return None
+    ids = group_ids(config)
+    return tuple(gid for gid, group in zip(ids, config.groups) if group.sliding_window_size_in_chunks is None)
+
+
+def key_position(req_context: ReqContext, key: bytes) -> int | None:
+    """The token position a request's chunk ends at (0.32+), or None where vLLM has no such call."""
+    get = getattr(req_context, "get_offload_key_position", None)
+    return None if get is None else get(key)
 
 
 def group_ids(config: OffloadingConfig) -> tuple[int, ...]:
@@ -142,8 +176,10 @@ __all__ = [
     "ScheduleEndContext",
     "TransferResult",
     "HAS_RESET_FLUSHED",
+    "anchor_groups",
     "check_vllm_version",
     "group_ids",
+    "key_position",
     "load_source",
     "make_event",
     "override",

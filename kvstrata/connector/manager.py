@@ -41,12 +41,13 @@ from kvstrata.connector.compat import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    key_position,
     load_source,
     make_event,
     override,
 )
 from kvstrata.connector.control import ControlChannel
-from kvstrata.keys import Layout, key_name
+from kvstrata.keys import Layout, key_group, key_name
 from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 
@@ -131,6 +132,10 @@ class StrataManager(OffloadingManager):
         self._reserve_outstanding = 0
         self._reserve_cap = MAX_RESERVE_TARGET  # lowered by the store's answer
         self._req_keys: dict[str, set[bytes]] = {}
+        # request -> the chunks it hit or stored, with their token position: touched
+        # tail first when it finishes, so the LRU order keeps each prefix's head longest.
+        self._req_used: dict[str, dict[bytes, int]] = {}
+        self._anchor_groups = frozenset(layout.anchor_groups or ())
         self._out_commit: list[tuple[int, bytes]] = []
         self._out_unpin: list[int] = []
         self._out_release: list[int] = []
@@ -198,6 +203,7 @@ class StrataManager(OffloadingManager):
             if pin is not None and pin.epoch == self._epoch:
                 pin.requests.add(req_id)
                 self._req_keys.setdefault(req_id, set()).add(key)
+                self._note_used(key, req_context)
                 return LookupResult.HIT
             if key in self._storing:
                 return LookupResult.HIT_PENDING
@@ -262,6 +268,7 @@ class StrataManager(OffloadingManager):
         with self._lock:
             wanted = []
             for key in dict.fromkeys(keys):
+                self._note_used(key, req_context)
                 if key in self._mirror:
                     self._to_touch.append(key)  # reused: keep it young in the LRU
                 elif key not in self._storing and key not in self._pinned:
@@ -315,6 +322,7 @@ class StrataManager(OffloadingManager):
         with self._lock:
             req_id = req_context.req_id
             self._arrived.pop(req_id, None)
+            self._touch_tail_first(self._req_used.pop(req_id, {}))
             for key in self._req_keys.pop(req_id, ()):
                 pin = self._pinned.get(key)
                 if pin is not None:
@@ -371,6 +379,7 @@ class StrataManager(OffloadingManager):
             self._storing.clear()
             self._mirror.clear()
             self._req_keys.clear()
+            self._req_used.clear()
             self._purge_requested = True
 
     def on_reset_flushed(self) -> None:
@@ -454,6 +463,20 @@ class StrataManager(OffloadingManager):
         self._view_wanted = False
         self._last_submit = self._clock()
         self._channel.submit(request)
+
+    def _note_used(self, key: bytes, req_context: ReqContext) -> None:
+        used = self._req_used.setdefault(req_context.req_id, {})
+        if key not in used:
+            position = key_position(req_context, key)
+            used[key] = len(used) if position is None else position
+
+    def _touch_tail_first(self, used: dict[bytes, int]) -> None:
+        """Touch a finished request's chunks from its tail to its head, as vLLM's own CPU
+        LRU does: a prefix's later chunks (useless without the earlier ones) leave first.
+        At one position, the anchor (full-attention) chunk is touched last: a window or
+        a state is worth less than the chunk every longer prefix needs."""
+        ordered = sorted(used, key=lambda key: (-used[key], key_group(key) in self._anchor_groups))
+        self._to_touch.extend(key for key in ordered if key in self._mirror)
 
     def _release_idle_pins(self) -> None:
         for key, pin in list(self._pinned.items()):

@@ -21,6 +21,7 @@ from kvstrata.connector.compat import (
     OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
+    anchor_groups,
     check_vllm_version,
     group_ids,
     override,
@@ -49,6 +50,7 @@ def build_layout(config: OffloadingConfig, kvstrata_config: KvstrataConfig) -> L
         dcp_size=getattr(parallel, "dcp_size", 1),
         hash_algo=prefix_hash_algo(),
         namespace_prefix=kvstrata_config.namespace_prefix,
+        anchor_groups=anchor_groups(config),
     )
 
 
