@@ -3,9 +3,11 @@ the request context, the end of a step, and chunk stores with known bytes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from kvstrata.connector.compat import ReqContext, ScheduleEndContext
+from kvstrata.connector.compat import OffloadingConfig, ReqContext, ScheduleEndContext
 
 SLOT = 4096
 
@@ -37,3 +39,51 @@ def store_chunks(store, manager, keys, seed: int = 0, settle: bool = False) -> d
     manager.complete_store(keys, ctx("w"))
     step(manager, store if settle else None)
     return data
+
+
+def offloading_config(
+    extra: dict,
+    model: str = "tiny",
+    dtype: str = "float32",
+    world_size: int = 1,
+    windows: tuple[int | None, ...] = (None,),
+    worker_bytes: int = 16384,
+    blocks_per_chunk: int = 2,
+) -> OffloadingConfig:
+    """vLLM's offloading config of an engine with one KV group per entry of `windows`
+    (None: full attention; n: a sliding window of n chunks, 1 for a Mamba state).
+    Fields a vLLM version lacks (0.29: group_id; < 0.33: the window) are left out."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    known = {f.name for f in dataclasses.fields(OffloadingGroupConfig)}
+    groups = []
+    for gid, window in enumerate(windows):
+        group = {"tokens_per_block": 32, "layer_names": (f"g{gid}.l0", f"g{gid}.l1"), "group_id": gid,
+                 "sliding_window_size_in_chunks": window}  # fmt: skip
+        groups.append(OffloadingGroupConfig(**{k: v for k, v in group.items() if k in known}))
+    return OffloadingConfig(
+        groups=tuple(groups),
+        worker_kv_bytes_per_block=worker_bytes,
+        enable_kv_cache_events=False,
+        extra_config=extra,
+        engine_id="engine-test",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -13,39 +12,7 @@ from kvstrata.config import ConfigError
 from kvstrata.connector import compat
 from kvstrata.connector.compat import OffloadingConfig
 from kvstrata.connector.spec import StrataSpec, build_layout
-
-
-def offloading_config(extra: dict, model: str = "tiny", dtype: str = "float32", world_size: int = 1) -> OffloadingConfig:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    group = {"tokens_per_block": 32, "layer_names": ("l0", "l1"), "group_id": 0}
-    known = {f.name for f in dataclasses.fields(OffloadingGroupConfig)}  # 0.29 has no group_id
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(**{k: v for k, v in group.items() if k in known}),),
-        worker_kv_bytes_per_block=16384,
-        enable_kv_cache_events=False,
-        extra_config=extra,
-        engine_id="engine-test",
-        model=OffloadingModelConfig(name=model, dtype=dtype),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
+from tests.connector.harness import offloading_config
 
 
 def test_importing_the_connector_starts_no_ray():
