@@ -47,7 +47,7 @@ from kvstrata.connector.compat import (
     override,
 )
 from kvstrata.connector.control import ControlChannel
-from kvstrata.keys import Layout, key_group, key_name
+from kvstrata.keys import Layout, key_group, key_hash, key_name
 from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 
@@ -134,7 +134,7 @@ class StrataManager(OffloadingManager):
         self._req_keys: dict[str, set[bytes]] = {}
         # request -> the chunks it hit or stored, with their token position: touched
         # tail first when it finishes, so the LRU order keeps each prefix's head longest.
-        self._req_used: dict[str, dict[bytes, int]] = {}
+        self._req_used: dict[str, dict[bytes, int | None]] = {}
         self._anchor_groups = frozenset(layout.anchor_groups or ())
         self._out_commit: list[tuple[int, bytes]] = []
         self._out_unpin: list[int] = []
@@ -467,16 +467,27 @@ class StrataManager(OffloadingManager):
     def _note_used(self, key: bytes, req_context: ReqContext) -> None:
         used = self._req_used.setdefault(req_context.req_id, {})
         if key not in used:
-            position = key_position(req_context, key)
-            used[key] = len(used) if position is None else position
+            used[key] = key_position(req_context, key)
 
-    def _touch_tail_first(self, used: dict[bytes, int]) -> None:
+    def _touch_tail_first(self, used: dict[bytes, int | None]) -> None:
         """Touch a finished request's chunks from its tail to its head, as vLLM's own CPU
         LRU does: a prefix's later chunks (useless without the earlier ones) leave first.
         At one position, the anchor (full-attention) chunk is touched last: a window or
-        a state is worth less than the chunk every longer prefix needs."""
-        ordered = sorted(used, key=lambda key: (-used[key], key_group(key) in self._anchor_groups))
-        self._to_touch.extend(key for key in ordered if key in self._mirror)
+        a state is worth less than the chunk every longer prefix needs.
+
+        Without positions (vLLM < 0.32) a chunk's rank is where its block hash first
+        appeared: vLLM offers a request's chunks group by group, each in prefix order,
+        and every group's chunk at a position shares that position's hash.
+        """
+        first_seen: dict[bytes, int] = {}
+        for key in used:
+            first_seen.setdefault(key_hash(key), len(first_seen))
+
+        def rank(key: bytes) -> tuple[int, bool]:
+            position = used[key]
+            return (-(first_seen[key_hash(key)] if position is None else position), key_group(key) in self._anchor_groups)
+
+        self._to_touch.extend(key for key in sorted(used, key=rank) if key in self._mirror)
 
     def _release_idle_pins(self) -> None:
         for key, pin in list(self._pinned.items()):

@@ -10,7 +10,6 @@ import pytest
 
 from kvstrata.config import ConfigError
 from kvstrata.connector import compat
-from kvstrata.connector.compat import OffloadingConfig
 from kvstrata.connector.spec import StrataSpec, build_layout
 from tests.connector.harness import offloading_config
 
