@@ -15,8 +15,19 @@ from typing import Any
 VOCAB = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + string.digits + string.punctuation + " \n")
 
 
-def build_tiny_llama(directory: str | Path, seed: int = 0, hidden_size: int = 128, num_layers: int = 2) -> Path:
-    """Write a random-weight Llama (head_dim 32) and its tokenizer to `directory`."""
+def build_tiny_llama(
+    directory: str | Path,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    sliding_window: int | None = None,
+) -> Path:
+    """Write a random-weight Llama (head_dim 32) and its tokenizer to `directory`.
+
+    With `sliding_window`, even layers attend to that many tokens only and odd layers
+    to everything (`layer_types`, which vLLM's Llama reads): a hybrid model, whose KV
+    cache vLLM splits into a sliding-window group and a full-attention group.
+    """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -59,6 +70,12 @@ def build_tiny_llama(directory: str | Path, seed: int = 0, hidden_size: int = 12
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.08)
     model.save_pretrained(directory, safe_serialization=True)
+    if sliding_window is not None:
+        config_file = directory / "config.json"
+        saved = json.loads(config_file.read_text())
+        saved["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        saved["sliding_window"] = sliding_window
+        config_file.write_text(json.dumps(saved, indent=2))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return directory
 

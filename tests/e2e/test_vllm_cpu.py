@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 
-import numpy as np
 import pytest
 import ray
 
@@ -22,6 +21,7 @@ from kvstrata.testing import (
     shutdown_llm,
 )
 from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
+from tests.e2e.tamper import corrupt_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +41,6 @@ def config_path(tmp_path_factory):
 
 def namespaces():
     return list(ray.get(get_node_store().stats.remote())["pools"])
-
-
-def corrupt_namespace(namespace: str) -> int:
-    """Overwrite every resident chunk of a namespace with noise, through the arena file."""
-    from kvstrata.tiers.shm import SharedMemoryFile
-
-    store = get_node_store()
-    rng = np.random.default_rng(0)
-    count = 0
-    for key in ray.get(store.keys.remote(namespace)):
-        path, offset, length = ray.get(store.locate.remote(namespace, key))
-        segment = SharedMemoryFile.attach(path)
-        segment.array[offset : offset + length] = rng.integers(0, 256, length, dtype=np.uint8)
-        segment.close()
-        count += 1
-    return count
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +79,7 @@ def test_a_new_engine_hits_after_the_first_is_gone_and_corrupt_bytes_change_outp
         # Control: the same loads from corrupted arena bytes must change the output,
         # which proves the output above really came from the bytes kvstrata stored.
         (namespace,) = namespaces()
-        assert corrupt_namespace(namespace) > 0
+        assert corrupt_chunks(namespace) > 0
         corrupted = run_round(llm, prompts[:1])
         assert corrupted[0]["cached_tokens"] == expected_hit(corrupted[0]["prompt_tokens"])
         assert corrupted[0]["logprobs"] != round1[0]["logprobs"]
