@@ -1,8 +1,8 @@
-"""kvstrata under vLLM's own scheduler on a hybrid KV cache (sliding window + full attention).
+"""kvstrata under vLLM's own scheduler on hybrid KV caches: sliding window + full
+attention, and sliding window + full attention + Mamba (prefix-cached, "align" mode).
 
 A real `Scheduler` with vLLM's `OffloadingConnector` and `StrataSpec`, on the
-`KVCacheConfig` vLLM's hybrid allocator builds for a model with alternating sliding-window
-(64 tokens) and full-attention layers. The workers are emulated by `StrataWorker` over
+`KVCacheConfig` vLLM's hybrid allocator builds for such a model (64-token window). The workers are emulated by `StrataWorker` over
 CPU tensors laid out like vLLM's (two tensors, each shared by one layer of each group):
 the "forward pass" writes each block's KV as a function of the block's prefix hash, so
 every byte a load brings back can be checked against what the prefix must hold.
@@ -57,6 +57,7 @@ def vllm_config(tmp_path_factory):
         dtype="float32",
         enforce_eager=True,
         enable_prefix_caching=True,
+        mamba_cache_mode="align",  # Mamba states at chunk boundaries, as prefix caching needs
         kv_transfer_config=transfer,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
     )
@@ -65,23 +66,27 @@ def vllm_config(tmp_path_factory):
     return config
 
 
-def hybrid_kv_cache_config(vllm_config):
-    """What vLLM's hybrid allocator makes of layers 0, 2 (window) and 1, 3 (full)."""
-    from vllm.v1.core.kv_cache_utils import (
-        generate_scheduler_kv_cache_config,
-        get_kv_cache_configs,
-    )
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+LAYOUTS = {"window+full": 2, "window+full+mamba": 3}  # kinds of layer, two layers of each
 
-    layer = dict(block_size=BLOCK, num_kv_heads=4, head_size=32, dtype=torch.float32)
-    specs = {
-        f"model.layers.{i}.self_attn.attn": (
-            SlidingWindowSpec(**layer, sliding_window=WINDOW_TOKENS) if i % 2 == 0 else FullAttentionSpec(**layer)
-        )
-        for i in range(4)
-    }
-    page = specs["model.layers.1.self_attn.attn"].page_size_bytes
-    (worker_config,) = get_kv_cache_configs(vllm_config, [specs], [NUM_BLOCKS * 2 * page])
+
+def hybrid_kv_cache_config(vllm_config, layout: str):
+    """What vLLM's hybrid allocator makes of the layers: a 64-token window, full
+    attention and (with three kinds) Mamba, in turn."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    attention = dict(block_size=BLOCK, num_kv_heads=4, head_size=32, dtype=torch.float32)
+    page = FullAttentionSpec(**attention).page_size_bytes
+    kinds = [
+        SlidingWindowSpec(**attention, sliding_window=WINDOW_TOKENS),
+        FullAttentionSpec(**attention),
+        # a 16 KiB state on a page padded to the attention page, as vLLM pads it
+        MambaSpec(block_size=BLOCK, shapes=((16, 256),), dtypes=(torch.float32,), page_size_padded=page,
+                  mamba_cache_mode="align"),
+    ]  # fmt: skip
+    count = LAYOUTS[layout]
+    specs = {f"model.layers.{i}.self_attn.attn": kinds[i % count] for i in range(2 * count)}
+    (worker_config,) = get_kv_cache_configs(vllm_config, [specs], [NUM_BLOCKS * count * 2 * page])
     return generate_scheduler_kv_cache_config([worker_config]), page
 
 
@@ -94,7 +99,7 @@ def kv_bytes(prefix_hash: bytes, group: int, tensor: int, page: int) -> np.ndarr
 class HybridRunner:
     """Scheduler steps with kvstrata's manager, and emulated workers doing the copies."""
 
-    def __init__(self, vllm_config, store: NodeStore, monkeypatch):
+    def __init__(self, vllm_config, layout: str, store: NodeStore, monkeypatch):
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor
@@ -118,7 +123,7 @@ class HybridRunner:
             return spec._manager
 
         monkeypatch.setattr(StrataSpec, "get_manager", get_manager)
-        kv_cache_config, self.page = hybrid_kv_cache_config(vllm_config)
+        kv_cache_config, self.page = hybrid_kv_cache_config(vllm_config, layout)
         vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
         self.groups = [type(group.kv_cache_spec).__name__ for group in kv_cache_config.kv_cache_groups]
         self.scheduler = Scheduler(
@@ -153,8 +158,8 @@ class HybridRunner:
         self.scheduler.shutdown()
         self.worker.shutdown()
 
-    def group_of(self, kind: str) -> int:
-        return self.groups.index(kind)
+    def group_of(self, kind: str) -> int | None:
+        return self.groups.index(kind) if kind in self.groups else None
 
     def run(self, prompt: list[int], max_tokens: int = 2) -> object:
         """One request from arrival to finish; returns the finished `Request`."""
@@ -252,13 +257,13 @@ class HybridRunner:
         self.loads.append(loaded)
 
 
-@pytest.fixture
-def runner(vllm_config, tmp_path, monkeypatch):
+@pytest.fixture(params=list(LAYOUTS))
+def runner(request, vllm_config, tmp_path, monkeypatch):
     cfg = {"tiers": {"cpu": {"capacity": "16MiB", "shm_dir": str(tmp_path), "prefault": False}},
            "engine": {"refresh_seconds": 0}}  # fmt: skip
     vllm_config.kv_transfer_config.kv_connector_extra_config["config"] = cfg
     store = NodeStore(load_config(cfg), "node-a")
-    runner = HybridRunner(vllm_config, store, monkeypatch)
+    runner = HybridRunner(vllm_config, request.param, store, monkeypatch)
     yield runner
     runner.close()
     store.close()
@@ -268,45 +273,45 @@ def tokens(seed: int, count: int = PROMPT) -> list[int]:
     return list(np.random.default_rng(seed).integers(3, 120, count))
 
 
-def test_the_scheduler_stores_every_full_attention_chunk_and_only_the_window(runner):
-    full, window = (
-        runner.group_of("FullAttentionSpec"),
-        runner.group_of("SlidingWindowSpec"),
-    )
+def groups(runner) -> tuple[int, int, int | None]:
+    """Full-attention, sliding-window and (if any) Mamba group indexes."""
+    return tuple(runner.group_of(kind) for kind in ("FullAttentionSpec", "SlidingWindowSpec", "MambaSpec"))
+
+
+def test_the_scheduler_stores_every_full_attention_chunk_the_window_and_one_state(runner):
+    full, window, mamba = groups(runner)
     request = runner.run(tokens(0))
     chunks = PROMPT // BLOCK
-    stored = {(key_group(k), key_hash(k)) for k in runner.stored}
     hashes = [bytes(h) for h in request.block_hashes[:chunks]]
-    assert {h for g, h in stored if g == full} == set(hashes)
-    window_stored = {hashes.index(h) for g, h in stored if g == window}
-    assert {
-        chunks - 2,
-        chunks - 1,
-    } <= window_stored  # the window before the prompt's end
-    assert len(window_stored) < chunks  # not the whole prefix: only what a load can use
+    stored: dict[int, set[int]] = {}
+    for k in runner.stored:
+        stored.setdefault(key_group(k), set()).add(hashes.index(key_hash(k)))
+    assert stored[full] == set(range(chunks))  # the whole prefix
+    assert {chunks - 2, chunks - 1} <= stored[window] < set(range(chunks))  # the window before the end
+    if mamba is not None:
+        assert stored[mamba] == {chunks - 1}  # one state, at the boundary
     # The node store holds exactly those chunks, each under its group's key.
     assert set(runner.store.keys(runner.manager.namespace)) == set(runner.stored)
 
 
 def test_a_repeated_prompt_loads_a_consistent_set_of_groups_bit_exact(runner):
-    full, window = (
-        runner.group_of("FullAttentionSpec"),
-        runner.group_of("SlidingWindowSpec"),
-    )
+    full, window, mamba = groups(runner)
     prompt = tokens(1)
     runner.run(prompt)
     assert runner.scheduler.reset_prefix_cache()  # the GPU cache forgets: only kvstrata has it
     runner.run(prompt)
     (load,) = runner.loads  # bytes were checked block by block as they landed
     assert load[full] == list(range(6))  # the whole prefix of full attention...
-    assert load[window] == [4, 5]  # ...and the window that ends where it ends
+    assert load[window] == [4, 5]  # ...the window that ends where it ends...
+    if mamba is not None:
+        assert load[mamba] == [5]  # ...and the state at that boundary
 
 
 def test_a_prefix_whose_window_was_never_stored_is_recomputed_not_half_loaded(runner):
     """A shorter prompt sharing the first 4 chunks: their full-attention chunks are in
     kvstrata, the window before chunk 4 is not (only the window before the first
     prompt's end was stored). vLLM must not load full attention alone: nothing loads."""
-    full = runner.group_of("FullAttentionSpec")
+    full, _, _ = groups(runner)
     prompt = tokens(2)
     first = runner.run(prompt)
     shorter = prompt[: 4 * BLOCK] + tokens(3, 40)
@@ -321,16 +326,13 @@ def test_stored_events_name_each_group_and_describe_full_attention_chunks(runner
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    full, window = (
-        runner.group_of("FullAttentionSpec"),
-        runner.group_of("SlidingWindowSpec"),
-    )
+    full, window, mamba = groups(runner)
     request = runner.run(tokens(4))
     events = [e for e in runner.published if isinstance(e, BlockStored) and e.medium == "CPU"]
     announced = {(e.group_idx, e.block_hashes[-1]) for e in events}
     stored = {(key_group(k), maybe_convert_block_hash(key_hash(k))) for k in runner.stored}
     assert announced == stored  # one event per chunk stored, under its own group
-    assert {group for group, _ in announced} == {full, window}
+    assert {group for group, _ in announced} == {full, window} | ({mamba} if mamba is not None else set())
     hashes = [maybe_convert_block_hash(bytes(h)) for h in request.block_hashes]
     for event in events:
         if event.group_idx == full:  # self-describing: the chunk's own tokens and parent
