@@ -165,6 +165,8 @@ class NodeStore:
             pool.positions.set_anchor_groups(anchors)
             if self.disk is not None:
                 self.disk.set_anchor_groups(namespace, anchors)
+            if self.object is not None:
+                self.object.set_anchor_groups(namespace, anchors)
             if layout is not None and namespace not in self.layouts:
                 self.layouts[namespace] = dict(layout)
                 if self.object is not None:

@@ -40,7 +40,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime
@@ -53,6 +53,7 @@ import numpy as np
 from kvstrata.config import ObjectTierConfig
 from kvstrata.keys import key_name, make_key
 from kvstrata.tiers.object_clients import open_chunk_client
+from kvstrata.tiers.positions import Positions
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,34 @@ def _secret_values(storage_options: Mapping[str, Any]) -> list[str]:
     return found
 
 
+class _Positions:
+    """A scan's entries by namespace and position, so a sweep can take a hybrid model's
+    position whole (see `Positions`); namespaces whose anchor groups are unknown are left out."""
+
+    def __init__(self, entries: list[ObjectEntry], anchors: Mapping[str, frozenset[int]]):
+        self._positions: dict[str, Positions] = {}
+        self._entries: dict[tuple[str, bytes], ObjectEntry] = {}
+        for entry in entries:
+            if entry.namespace not in anchors:
+                continue
+            positions = self._positions.get(entry.namespace)
+            if positions is None:
+                positions = self._positions[entry.namespace] = Positions()
+                positions.set_anchor_groups(anchors[entry.namespace])
+            positions.add(entry.key)
+            self._entries[(entry.namespace, entry.key)] = entry
+
+    def take(self, entry: ObjectEntry) -> list[ObjectEntry]:
+        """`entry` goes: the entries that become dead weight with it."""
+        positions = self._positions.get(entry.namespace)
+        if positions is None:
+            return []
+        dependents = positions.dependents(entry.key)
+        for key in [entry.key, *dependents]:
+            positions.remove(key)
+        return [self._entries[(entry.namespace, key)] for key in dependents]
+
+
 class ObjectTier:
     def __init__(
         self,
@@ -168,7 +197,10 @@ class ObjectTier:
             "bytes_got": 0,
             "expired": 0,
             "evicted": 0,
+            "evicted_with_anchor": 0,
         }
+        # namespace -> its full-attention groups (see `Positions`), as engines tell them
+        self._anchor_groups: dict[str, frozenset[int]] = {}
 
     # --- names ---------------------------------------------------------------------------
 
@@ -242,22 +274,41 @@ class ObjectTier:
                 entries.append(ObjectEntry(namespace, key, path, int(info.get("size") or 0), _written_at(info)))
         return entries
 
+    def set_anchor_groups(self, namespace: str, groups: Iterable[int] | None) -> None:
+        """A namespace's full-attention groups: a sweep that deletes one of their chunks
+        also deletes the other groups' chunks at that position, dead weight without it."""
+        if groups is not None:
+            self._anchor_groups.setdefault(namespace, frozenset(groups))
+
     def apply_limits(self, entries: list[ObjectEntry]) -> list[ObjectEntry]:
         """Delete what `ttl_seconds` and `capacity` rule out of a scan; the entries that stay."""
         ttl, capacity = self.config.ttl_seconds, self.config.capacity
+        positions = _Positions(entries, self._anchor_groups)
         expired: list[ObjectEntry] = []
         if ttl is not None:
             cutoff = self._wall_clock() - ttl
             expired = [e for e in entries if e.written_at < cutoff]
-            entries = [e for e in entries if e.written_at >= cutoff]
+        dependents = [d for e in expired for d in positions.take(e)]
+        gone = {e.path for e in expired + dependents}
+        entries = [e for e in entries if e.path not in gone]
         evicted: list[ObjectEntry] = []
         if capacity is not None:
             total = sum(e.size for e in entries)
-            entries = sorted(entries, key=lambda e: e.written_at)
-            while entries and total > capacity:
-                evicted.append(entries.pop(0))
-                total -= evicted[-1].size
-        doomed = expired + evicted
+            queue = sorted(entries, key=lambda e: e.written_at)
+            while queue and total > capacity:
+                victim = queue.pop(0)
+                if victim.path in gone:
+                    continue  # already went with its anchor
+                evicted.append(victim)
+                gone.add(victim.path)
+                total -= victim.size
+                for dependent in positions.take(victim):
+                    if dependent.path not in gone:
+                        dependents.append(dependent)
+                        gone.add(dependent.path)
+                        total -= dependent.size
+            entries = [e for e in entries if e.path not in gone]
+        doomed = expired + evicted + dependents
         if not doomed:
             return entries
         try:
@@ -270,11 +321,13 @@ class ObjectTier:
         with self._lock:
             self.counters["expired"] += len(expired)
             self.counters["evicted"] += len(evicted)
+            self.counters["evicted_with_anchor"] += len(dependents)
         logger.info(
-            "kvstrata object tier %s: swept %d expired and %d over-capacity chunk objects",
+            "kvstrata object tier %s: swept %d expired and %d over-capacity chunk objects (%d more left without their anchor)",
             self._scrub(self.config.url),
             len(expired),
             len(evicted),
+            len(dependents),
         )
         return entries
 

@@ -204,6 +204,24 @@ def test_a_sweep_deletes_the_oldest_written_objects_beyond_capacity(url):
     tier.close()
 
 
+def test_a_sweep_that_deletes_a_full_attention_chunk_takes_its_window_and_state(url):
+    record = HEADER_BYTES + SIZE
+    tier = tier_for(url, capacity=3 * record)
+    tier.set_anchor_groups(NS, [0])
+    base = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    position = [key(0, group=g) for g in (0, 1, 2)]  # one position: full, window, state
+    later = [key(1), key(2)]
+    tier.put_many(NS, [(k, chunk(i)) for i, k in enumerate(position + later)])
+    for age, k in enumerate([position[0], *later, position[1], position[2]]):  # the anchor is the oldest
+        written(tier, NS, k, base + timedelta(minutes=age))
+    kept = tier.apply_limits(tier.scan())
+    # Over capacity by two: the anchor goes first, and its window and state with it.
+    assert {e.key for e in kept} == set(later)
+    assert tier.list_keys(NS) == set(later)
+    assert tier.counters["evicted"] == 1 and tier.counters["evicted_with_anchor"] == 2
+    tier.close()
+
+
 def test_a_sweep_deletes_objects_older_than_the_ttl(url):
     now = datetime(2026, 6, 1, tzinfo=timezone.utc)
     tier = ObjectTier(ObjectTierConfig(url=url, ttl_seconds=3600), clock=FakeClock(), wall_clock=now.timestamp)
