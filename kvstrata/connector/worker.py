@@ -43,11 +43,16 @@ class StrataWorker(OffloadingWorker):
             rank=rank,
             rank_stride=layout.rank_bytes,
         )
+        # A slot holds every tensor's page of a block (as vLLM sizes its CPU slots); a
+        # group that spans fewer tensors, or un-padded pages, leaves part of it unused.
+        block_bytes = sum(tensor.shape[1] for tensor in tensors)
+        fill = [sum(ref.ref_bytes for ref in refs) / block_bytes for refs in group_refs]
         logger.info(
-            "kvstrata worker rank %d: %d KV tensors, %d groups, %s copies",
+            "kvstrata worker rank %d: %d KV tensors, %d groups filling %s of a slot, %s copies",
             rank,
             len(tensors),
             len(group_refs),
+            "/".join(f"{share:.0%}" for share in fill),
             "CUDA" if self.engine.is_cuda else "CPU",
         )
 
