@@ -11,7 +11,6 @@ store, and back.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 
@@ -71,11 +70,11 @@ class Engine:
     def __init__(self, store: NodeStore, cfg: dict, num_groups: int, holder: str):
         config = offloading_config({"config": cfg}, windows=WINDOWS[num_groups], worker_bytes=SLOT, blocks_per_chunk=1)
         spec = StrataSpec(config)
-        layout = spec.layout
-        if layout.anchor_groups is None:  # vLLM < 0.33 does not say; 0.33 does, as here
-            layout = dataclasses.replace(layout, anchor_groups=(0,))
+        # vLLM 0.33 says which group is full attention (the store then also evicts a
+        # position whole); older versions do not, and the eviction order alone applies.
+        assert spec.layout.anchor_groups in (None, (0,))
         self.num_groups = num_groups
-        self.manager = StrataManager(LocalStoreClient(store), layout, load_config(cfg), holder, enable_events=True)
+        self.manager = StrataManager(LocalStoreClient(store), spec.layout, load_config(cfg), holder, enable_events=True)
         self.tensors = [torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.int8) for _ in range(2)]
         from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCacheTensor
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -71,3 +72,12 @@ def test_an_unsupported_vllm_fails_at_engine_start_with_the_range(monkeypatch):
     monkeypatch.setattr(compat, "VLLM_VERSION", Version("0.34.0"))
     with pytest.raises(RuntimeError, match=r"kvstrata supports vLLM >= 0\.29, < 0\.34; this is vLLM"):
         StrataSpec(offloading_config({}))
+
+
+def test_the_full_attention_groups_are_known_where_vllm_says_which_they_are():
+    config = offloading_config({"config": {"tiers": {"cpu": {"capacity": "8MiB"}}}}, windows=(None, 2, 1))
+    layout = StrataSpec(config).layout
+    says = compat.VLLM_VERSION >= compat.Version("0.33")  # sliding_window_size_in_chunks
+    assert layout.anchor_groups == ((0,) if says else None)
+    # Policy, not bytes: engines that know and engines that do not share one namespace.
+    assert layout.namespace == dataclasses.replace(layout, anchor_groups=None).namespace
