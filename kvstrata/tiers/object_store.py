@@ -77,11 +77,22 @@ class ObjectEntry:
 
 
 class _Batch:
-    """One put_many/get_many call: whether its caller stopped waiting (and took its buffers back)."""
+    """One put_many/get_many call: whether its caller stopped waiting (and took its buffers
+    back), and which requests already counted their own outcome."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.abandoned = False
+        self.settled: set[int] = set()
+
+    def settle(self, index: int) -> bool:
+        """A request that ended records that it counts its own outcome; False once the batch
+        was abandoned (the abandonment counted it as failed already)."""
+        with self.lock:
+            if self.abandoned:
+                return False
+            self.settled.add(index)
+            return True
 
 
 def _written_at(info: Mapping[str, Any]) -> float:
@@ -390,7 +401,7 @@ class ObjectTier:
         if not self._admit(len(items)):
             return [False] * len(items)
         batch = _Batch()
-        futures = [self._pool.submit(op, batch, namespace, key, buffer) for key, buffer in items]
+        futures = [self._pool.submit(op, batch, i, namespace, key, buffer) for i, (key, buffer) in enumerate(items)]
         late = set(futures)
         while late:  # give up once a whole request deadline passes with no request finishing
             finished, late = wait(late, timeout=self.request_deadline)
@@ -399,16 +410,23 @@ class ObjectTier:
         if late:
             with batch.lock:  # from here on, no request of this batch touches its buffers
                 batch.abandoned = True
-            queued = sum(future.cancel() for future in late)  # never started: as if paused
+                queued = running = 0
+                for i, future in enumerate(futures):
+                    if future not in late:
+                        continue
+                    if future.cancel():
+                        queued += 1  # never started: as if paused
+                    elif i not in batch.settled:
+                        running += 1  # counted here, once: it no longer counts itself
             with self._lock:
-                self.counters["put_failures" if what == "upload" else "get_failures"] += len(late) - queued
+                self.counters["put_failures" if what == "upload" else "get_failures"] += running
                 self.counters["skipped_while_paused"] += queued
-            self._failed(what, TimeoutError(f"{len(late) - queued} requests still running after their deadline"))
+            self._failed(what, TimeoutError(f"{running} requests still running after their deadline"))
         return [future.done() and not future.cancelled() and future.result() for future in futures]
 
-    def _put(self, batch: _Batch, namespace: str, key: bytes, payload: np.ndarray) -> bool:
+    def _put(self, batch: _Batch, index: int, namespace: str, key: bytes, payload: np.ndarray) -> bool:
         if not self.available():
-            self._count("skipped_while_paused")
+            self._settled(batch, index, "skipped_while_paused")
             return False
         header = bytearray(HEADER_BYTES)
         with batch.lock:
@@ -424,25 +442,26 @@ class ObjectTier:
         try:
             self.client.put(self.object_path(namespace, key), body)
         except Exception as exc:  # noqa: BLE001 - an upload that fails is a dropped copy
-            self._count("put_failures")
+            self._settled(batch, index, "put_failures")
             self._failed("upload", exc)
             return False
-        self._count("puts", payload.nbytes)
+        batch.settle(index)
+        self._count("puts", payload.nbytes)  # landed, even if its caller stopped waiting
         self._succeeded()
         return True
 
-    def _get(self, batch: _Batch, namespace: str, key: bytes, out: np.ndarray) -> bool:
+    def _get(self, batch: _Batch, index: int, namespace: str, key: bytes, out: np.ndarray) -> bool:
         if not self.available():
-            self._count("skipped_while_paused")
+            self._settled(batch, index, "skipped_while_paused")
             return False
         try:
             data = self.client.get(self.object_path(namespace, key), HEADER_BYTES + out.nbytes)
         except FileNotFoundError:
-            self._count("not_found")
+            self._settled(batch, index, "not_found")
             self._succeeded()  # the store answered
             return False
         except Exception as exc:  # noqa: BLE001 - a failed read is a miss
-            self._count("get_failures")
+            self._settled(batch, index, "get_failures")
             self._failed("download", exc)
             return False
         self._succeeded()
@@ -450,7 +469,7 @@ class ObjectTier:
         header = RecordHeader.unpack(view[:HEADER_BYTES]) if len(data) >= HEADER_BYTES else None
         payload = view[HEADER_BYTES:]
         if header is None or payload.nbytes != out.nbytes or not header.matches(namespace, key, payload):
-            self._count("corrupt_chunks")
+            self._settled(batch, index, "corrupt_chunks")
             logger.warning(
                 "kvstrata object tier: chunk %s of namespace %s failed its checksum; treated as a miss",
                 key_name(key),
@@ -461,8 +480,14 @@ class ObjectTier:
             if batch.abandoned:  # too late: the caller gave the buffer back
                 return False
             out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
+            batch.settled.add(index)
         self._count("gets", out.nbytes)
         return True
+
+    def _settled(self, batch: _Batch, index: int, outcome: str) -> None:
+        """Count a request's outcome, unless its batch's abandonment already counted it."""
+        if batch.settle(index):
+            self._count(outcome)
 
     def _count(self, name: str, nbytes: int = 0) -> None:
         with self._lock:
