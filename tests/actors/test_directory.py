@@ -130,3 +130,18 @@ def test_a_shard_restarted_between_two_syncs_gets_the_whole_holding_again(monkey
     peers.sync_once()  # sends everything
     _, replies = shard.sync("b", {NS: ([], -1, False)})
     assert sorted(replies[NS][1]) == sorted([(key(1), "a/CPU", True), (key(2), "a/CPU", True)])
+
+
+def test_the_groups_of_one_position_are_separate_entries():
+    """A hybrid model's chunks at one position share the block hash, not the key: a node
+    that holds the full-attention chunk but dropped the window must not look like it
+    holds both."""
+    shard = DirectoryShard(0)
+    full, window = key(1, group=0), key(1, group=1)
+    shard.sync("a", {NS: ([(full, "CPU", True), (window, "CPU", True)], -1, False)})
+    _, replies = shard.sync("b", {NS: ([], -1, False)})
+    seen = replies[NS][0]
+    assert sorted(replies[NS][1]) == sorted([(full, "a/CPU", True), (window, "a/CPU", True)])
+    shard.sync("a", {NS: ([(window, "CPU", False)], -1, False)})
+    _, replies = shard.sync("b", {NS: ([], seen, False)})
+    assert replies[NS][1] == [(window, "a/CPU", False)]
