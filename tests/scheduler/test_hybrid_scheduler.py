@@ -257,13 +257,30 @@ class HybridRunner:
         self.loads.append(loaded)
 
 
-@pytest.fixture(params=list(LAYOUTS))
-def runner(request, vllm_config, tmp_path, monkeypatch):
+def start(vllm_config, layout: str, tmp_path, monkeypatch, disk: bool = False):
     cfg = {"tiers": {"cpu": {"capacity": "16MiB", "shm_dir": str(tmp_path), "prefault": False}},
            "engine": {"refresh_seconds": 0}}  # fmt: skip
-    vllm_config.kv_transfer_config.kv_connector_extra_config["config"] = cfg
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra.pop("block_size", None)
+    if disk:  # and two blocks per chunk: an event then names two block hashes, a placeholder one
+        cfg["tiers"]["disk"] = {"path": str(tmp_path / "disk"), "capacity": "64MiB"}
+        extra["block_size"] = 2 * BLOCK
+    extra["config"] = cfg
     store = NodeStore(load_config(cfg), "node-a")
-    runner = HybridRunner(vllm_config, request.param, store, monkeypatch)
+    return store, HybridRunner(vllm_config, layout, store, monkeypatch)
+
+
+@pytest.fixture(params=list(LAYOUTS))
+def runner(request, vllm_config, tmp_path, monkeypatch):
+    store, runner = start(vllm_config, request.param, tmp_path, monkeypatch)
+    yield runner
+    runner.close()
+    store.close()
+
+
+@pytest.fixture
+def runner_with_disk(vllm_config, tmp_path, monkeypatch):
+    store, runner = start(vllm_config, "window+full", tmp_path, monkeypatch, disk=True)
     yield runner
     runner.close()
     store.close()
@@ -355,3 +372,47 @@ def test_stored_events_name_each_group_and_describe_full_attention_chunks(runner
         for h in e.block_hashes
     }
     assert removed == {(e.group_idx, h) for e in events for h in e.block_hashes}
+
+
+def test_disk_events_keep_their_payload_until_the_disk_drops_the_chunk(runner_with_disk):
+    """The arena drops a chunk before the disk does: vLLM's tracker must still describe
+    the disk's removal in full, which it does only because every store event says that
+    a removal will follow (and names its tier)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    runner = runner_with_disk
+    full, _, _ = groups(runner)
+    runner.run(tokens(5))
+    assert runner.store.wait_io(10)
+    runner.step()
+    assert runner.manager.wait_idle(10)
+    runner.step()
+
+    def announced(kind, medium: str) -> list:
+        """Block hashes of the full-attention group's events (a placeholder has one per chunk)."""
+        return sorted(
+            h
+            for event in runner.published
+            if isinstance(event, kind) and event.medium == medium and event.group_idx == full
+            for h in event.block_hashes
+        )
+
+    on_disk = announced(BlockStored, "STORAGE")
+    assert len(on_disk) == PROMPT // (2 * BLOCK) * 2  # every block hash of every chunk
+    pool = runner.store.arena.pools[runner.manager.namespace]
+    stats = pool.stats()
+    wanted = stats["free"] + pool.max_slots - stats["slots"] + len(runner.stored)
+    assert len(pool.reserve("another-engine", wanted)) == wanted  # out of the arena, still on disk
+    runner.step()
+    assert runner.manager.wait_idle(10)
+    runner.step()
+    assert announced(BlockRemoved, "CPU") == on_disk
+    runner.store.purge(runner.manager.namespace)  # and now off the disk too
+    runner.step()
+    assert runner.manager.wait_idle(10)
+    runner.step()
+    removed = announced(BlockRemoved, "STORAGE")
+    assert removed == on_disk  # same chunks, same hashes: not placeholders
+    # ... and each stored event carried the chunk's own tokens (self-describing payload).
+    assert all(e.token_ids for e in runner.published if isinstance(e, BlockStored) and e.medium == "STORAGE"
+               and e.group_idx == full)  # fmt: skip
