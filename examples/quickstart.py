@@ -5,7 +5,8 @@ Round 1 and 2 run on one engine with its own prefix cache reset before every pro
 so every cached token was served by kvstrata's node store. The engine is then shut
 down and a second engine runs round 3: the node store outlived the first engine.
 
-    python examples/quickstart.py
+    python examples/quickstart.py            # a plain Llama
+    python examples/quickstart.py --hybrid   # sliding-window + full-attention layers
 """
 
 import os
@@ -16,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+import argparse  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -34,10 +36,18 @@ def show(round_name: str, results: list[dict], node_id: str) -> None:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a hybrid model: 64-token sliding window on even layers, full attention on odd ones",
+    )
+    args = parser.parse_args()
     import ray
 
     import kvstrata
     from kvstrata.actors.client import current_node_id, shutdown_node_store
+    from kvstrata.keys import key_group
     from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
 
     ray.init(address="local", namespace="kvstrata", include_dashboard=False, log_to_driver=False)
@@ -48,7 +58,8 @@ def main() -> int:
         store = kvstrata.up(CONFIG)
         node_id = current_node_id()
         with tempfile.TemporaryDirectory(prefix="kvstrata-quickstart-") as tmp:
-            model = build_tiny_llama(Path(tmp) / "tiny-llama", seed=0)
+            shape = {"num_layers": 4, "sliding_window": 64} if args.hybrid else {}
+            model = build_tiny_llama(Path(tmp) / "tiny-llama", seed=0, **shape)
             prompts = shared_prefix_prompts(count=3)
 
             llm = make_llm(model, CONFIG)
@@ -68,6 +79,10 @@ def main() -> int:
         stats = ray.get(store.stats.remote())
         for namespace, pool in stats["pools"].items():
             print(f"\nnode store: namespace {namespace}: {pool['resident']} chunks resident, {pool['slot_bytes']} bytes each")
+            groups: dict[int, int] = {}
+            for key in ray.get(store.keys.remote(namespace)):
+                groups[key_group(key)] = groups.get(key_group(key), 0) + 1
+            print("  chunks per KV group: " + ", ".join(f"group {g}: {n}" for g, n in sorted(groups.items())))
         same = all(a["token_ids"] == b["token_ids"] == c["token_ids"] for a, b, c in zip(round1, round2, round3))
         hits = all(r["cached_tokens"] > 0 for r in round2 + round3)
         print(f"\noutputs identical across rounds: {same}; rounds 2 and 3 served from kvstrata: {hits}")
