@@ -204,12 +204,23 @@ def test_every_group_round_trips_bit_exact_through_the_arena(node, num_groups):
     assert {key_group(k) for k in resident} == set(range(num_groups))
 
 
-def test_a_hybrid_prefix_travels_arena_disk_object_and_back_bit_exact(node):
+def push_out_of_the_arena(store: NodeStore, namespace: str) -> None:
+    """Another engine takes every slot of the arena, then gives them back empty."""
+    pool = store.arena.pools[namespace]
+    stats = pool.stats()
+    taken = pool.reserve("another-engine", stats["free"] + pool.max_slots - stats["slots"] + stats["resident"])
+    pool.release("another-engine", taken)
+    assert len(pool) == 0
+
+
+@pytest.mark.parametrize("num_groups", [2, 3])
+def test_a_hybrid_prefix_travels_arena_disk_object_and_back_bit_exact(node, num_groups):
     new_store, new_engine = node
     store, cfg = new_store(disk_dir="disk", bucket=True)
-    writer = new_engine(store, cfg, holder="writer")
+    writer = new_engine(store, cfg, num_groups, holder="writer")
     stored = writer.store("prompt")
     step(writer.manager, store)
+    step(writer.manager, store)  # the writer's pins are released
     namespace = writer.manager.namespace
     keys = writer.keys("prompt")
     # Every tier holds every group's chunks under the group's own name.
@@ -217,23 +228,20 @@ def test_a_hybrid_prefix_travels_arena_disk_object_and_back_bit_exact(node):
     assert sorted(store.keys(namespace, OBJECT)) == sorted(keys)
     for k in keys:
         assert store.object.object_path(namespace, k).endswith(f"-g{key_group(k)}")
-    writer.close()
-    store.close()
 
-    # A new store on the same disk: the arena is empty, the chunks come back from disk.
-    store, cfg = new_store(disk_dir="disk", bucket=True)
-    engine = new_engine(store, cfg, holder="after-restart")
-    context = engine.context("from-disk", "prompt")
-    assert engine.lookup(keys, context, store) == [HIT] * len(keys)
-    assert_same(engine.load(keys, context), stored)
+    # Evicted from the arena: every group comes back from the disk.
+    push_out_of_the_arena(store, namespace)
+    context = writer.context("from-disk", "prompt")
+    assert writer.lookup(keys, context, store) == [HIT] * len(keys)
+    assert_same(writer.load(keys, context), stored)
     if load_source(STORAGE) is not None:
-        assert {engine.manager.get_load_source(k, context) for k in keys} == {load_source(STORAGE)}
-    engine.close()
+        assert {writer.manager.get_load_source(k, context) for k in keys} == {load_source(STORAGE)}
+    writer.close()
     store.close()
 
     # A node with an empty disk: they come from the object store, into this node's arena.
     store, cfg = new_store(disk_dir="other-disk", bucket=True)
-    engine = new_engine(store, cfg, holder="other-node")
+    engine = new_engine(store, cfg, num_groups, holder="other-node")
     step(engine.manager, store)  # the store listed the bucket
     context = engine.context("from-bucket", "prompt")
     assert engine.lookup(keys, context, store) == [HIT] * len(keys)
