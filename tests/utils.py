@@ -84,3 +84,13 @@ def local_ray(namespace: str) -> Iterator[None]:
         else:
             os.environ["RAY_ADDRESS"] = previous
         ray.shutdown()
+
+
+def crowd_out(pool, evict: int, holder: str = "another-engine") -> list[int]:
+    """Another engine reserves every free slot a pool has or can still grow, and `evict`
+    more: that many least-recently-used chunks leave the arena. Returns its slots."""
+    stats = pool.stats()
+    wanted = stats["free"] + pool.max_slots - stats["slots"] + evict
+    taken = pool.reserve(holder, wanted)
+    assert len(taken) == wanted, f"reserved {len(taken)} of {wanted} slots: too many pinned"
+    return taken

@@ -35,7 +35,7 @@ from kvstrata.keys import key_group, key_name, make_key
 from kvstrata.tiers.changelog import CPU, OBJECT, STORAGE
 from kvstrata.tiers.disk import HEADER_BYTES
 from tests.connector.harness import SLOT, offloading_config, step
-from tests.utils import store_config
+from tests.utils import crowd_out, store_config
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 PAGE = 2048  # two tensors of PAGE bytes per block: SLOT (4096) per chunk
@@ -207,9 +207,7 @@ def test_every_group_round_trips_bit_exact_through_the_arena(node, num_groups):
 def push_out_of_the_arena(store: NodeStore, namespace: str) -> None:
     """Another engine takes every slot of the arena, then gives them back empty."""
     pool = store.arena.pools[namespace]
-    stats = pool.stats()
-    taken = pool.reserve("another-engine", stats["free"] + pool.max_slots - stats["slots"] + stats["resident"])
-    pool.release("another-engine", taken)
+    pool.release("another-engine", crowd_out(pool, evict=len(pool)))
     assert len(pool) == 0
 
 
@@ -298,9 +296,7 @@ def test_eviction_drops_a_prefix_tail_first_and_each_position_whole(node):
     assert pool.stats()["pinned"] == 0
     # Someone else wants every free slot and three more: the window's and the state's
     # last chunks, then the last full-attention chunk go; positions 0-2 stay whole.
-    stats = pool.stats()
-    wanted = stats["free"] + pool.max_slots - stats["slots"] + 3
-    assert len(pool.reserve("another-engine", wanted)) == wanted
+    crowd_out(pool, evict=3)
     last = chunk_hash("prompt", POSITIONS - 1)
     gone = {k for k in stored if k not in pool}
     assert gone == {make_key(last, g) for g in range(3)}
@@ -321,9 +317,7 @@ def test_the_event_stream_matches_what_each_tier_holds_per_group(node):
     step(engine.manager, store)
     namespace = engine.manager.namespace
     pool = store.arena.pools[namespace]
-    stats = pool.stats()
-    wanted = stats["free"] + pool.max_slots - stats["slots"] + len(stored)  # pushes the prompt out
-    assert len(pool.reserve("another-engine", wanted)) == wanted
+    crowd_out(pool, evict=len(stored))  # pushes the prompt out
     step(engine.manager, store)
 
     held: dict[tuple, set[bytes]] = {}

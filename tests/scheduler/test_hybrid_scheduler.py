@@ -28,6 +28,7 @@ from kvstrata.connector.spec import StrataSpec
 from kvstrata.connector.worker import StrataWorker
 from kvstrata.keys import key_group, key_hash, make_key
 from kvstrata.testing import build_tiny_llama
+from tests.utils import crowd_out
 
 BLOCK = 32  # tokens per block and per chunk
 WINDOW_TOKENS = 64
@@ -359,9 +360,7 @@ def test_stored_events_name_each_group_and_describe_full_attention_chunks(runner
 
     # Pushed out of the arena: each removal names the same group and hashes as its store.
     pool = runner.store.arena.pools[runner.manager.namespace]
-    stats = pool.stats()
-    wanted = stats["free"] + pool.max_slots - stats["slots"] + len(stored)
-    assert len(pool.reserve("another-engine", wanted)) == wanted
+    crowd_out(pool, evict=len(stored))
     runner.step()
     assert runner.manager.wait_idle(10)
     runner.step()
@@ -400,9 +399,7 @@ def test_disk_events_keep_their_payload_until_the_disk_drops_the_chunk(runner_wi
     on_disk = announced(BlockStored, "STORAGE")
     assert len(on_disk) == PROMPT // (2 * BLOCK) * 2  # every block hash of every chunk
     pool = runner.store.arena.pools[runner.manager.namespace]
-    stats = pool.stats()
-    wanted = stats["free"] + pool.max_slots - stats["slots"] + len(runner.stored)
-    assert len(pool.reserve("another-engine", wanted)) == wanted  # out of the arena, still on disk
+    crowd_out(pool, evict=len(runner.stored))  # out of the arena, still on disk
     runner.step()
     assert runner.manager.wait_idle(10)
     runner.step()
