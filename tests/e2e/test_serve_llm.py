@@ -43,6 +43,47 @@ def yaml_llm_config(model_source: str):
     return LLMConfig(**settings), application
 
 
+def descendants(pid: int) -> list[int]:
+    """A process and every process under it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def shared_memory_of(pids: list[int]) -> set[Path]:
+    """The /dev/shm files these processes have mapped."""
+    segments: set[Path] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1]
+                if path.startswith("/dev/shm/"):
+                    segments.add(Path(path.removesuffix(" (deleted)")))
+    return segments
+
+
+def engine_shared_memory() -> set[Path]:
+    """vLLM's shared-memory queues (and semaphores) of this app's LLMServer replica. Ray Serve LLM 2.60
+    stops a replica without shutting its vLLM engine down (`VLLMEngine.shutdown` only
+    closes a socket), so vLLM never unlinks them: the test removes exactly these."""
+    replicas = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if f"ServeReplica:{APP}:LLMServer".encode() in cmdline.read_bytes():
+                replicas.append(int(cmdline.parent.name))
+    assert replicas, "the LLMServer replica process was not found"
+    pids = [pid for replica in replicas for pid in descendants(replica)]
+    return {path for path in shared_memory_of(pids) if path.name.startswith(("psm_", "sem.mp-"))}
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -61,14 +102,18 @@ def served(tmp_path_factory):
     args = dict(application["args"], llm_configs=[llm_config])
     with local_ray("kvstrata-e2e-serve"):
         port = free_port()
+        leaked_by_serve: set[Path] = set()
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             serve.run(build_openai_app(args), name=APP, route_prefix=application["route_prefix"])
             base_url = f"http://127.0.0.1:{port}"
             wait_until_serving(base_url, MODEL_ID, timeout_s=300)
+            leaked_by_serve = engine_shared_memory()
             yield base_url, serve.get_deployment_handle(f"LLMServer:{MODEL_ID}", APP), ray
         finally:
             serve.shutdown()
+            for segment in leaked_by_serve:
+                segment.unlink(missing_ok=True)
             with contextlib.suppress(StoreUnavailable):
                 shutdown_node_store(get_node_store())
 
