@@ -202,8 +202,8 @@ class DiskTier:
             slab = self._slabs.get(namespace)
             if slab is not None:
                 slab.positions.set_anchor_groups(groups)
-            else:
-                self._anchor_groups[namespace] = groups
+            elif groups is not None:
+                self._anchor_groups.setdefault(namespace, groups)
 
     def contains(self, namespace: str, key: bytes) -> bool:
         with self._lock:
