@@ -10,6 +10,7 @@ import ray
 from kvstrata.actors.client import get_node_store
 from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
 from kvstrata.tiers.disk import HEADER_BYTES
+from tests.e2e.configs import arena_and_disk
 from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
 
 pytestmark = pytest.mark.slow
@@ -25,16 +26,7 @@ def disk_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(cluster, tmp_path_factory, disk_dir):
     model = build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny", seed=5)
-    config = {
-        "tiers": {
-            "cpu": {"capacity": 48 * SLOT, "segment_size": 8 * SLOT},
-            "disk": {"path": str(disk_dir), "capacity": 200 * (SLOT + HEADER_BYTES)},
-        },
-        # Disk writes finish in the background, after this engine last heard from its
-        # store: with no tolerated view age, round 2 finds every chunk already on disk.
-        "engine": {"reserve_slots": 12, "max_view_age_seconds": 0},
-    }
-    llm = make_llm(model, config)
+    llm = make_llm(model, arena_and_disk(disk_dir, SLOT, arena_slots=48, disk_slots=200))
     try:
         yield llm
     finally:

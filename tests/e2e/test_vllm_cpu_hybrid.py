@@ -11,7 +11,7 @@ import ray
 from kvstrata.actors.client import get_node_store
 from kvstrata.keys import key_group
 from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
-from kvstrata.tiers.disk import HEADER_BYTES
+from tests.e2e.configs import arena_and_disk
 from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
 from tests.e2e.tamper import corrupt_chunks
 
@@ -30,14 +30,7 @@ def disk_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(cluster, tmp_path_factory, disk_dir):
     model = build_tiny_llama(tmp_path_factory.mktemp("model") / "hybrid", seed=7, num_layers=4, sliding_window=64)
-    config = {
-        "tiers": {
-            "cpu": {"capacity": 40 * SLOT, "segment_size": 8 * SLOT},
-            "disk": {"path": str(disk_dir), "capacity": 400 * (SLOT + HEADER_BYTES)},
-        },
-        "engine": {"reserve_slots": 12, "max_view_age_seconds": 0},
-    }
-    llm = make_llm(model, config)
+    llm = make_llm(model, arena_and_disk(disk_dir, SLOT, arena_slots=40, disk_slots=400))
     try:
         yield llm
     finally:
