@@ -6,7 +6,10 @@ reference is numpy copying the same bytes between two warm buffers, one chunk-si
 contiguous copy at a time. Figures are noisy here (±30-40% run to run); the ratio is
 what to compare.
 
-    python benchmarks/arena_copy.py [--layers 8] [--total-mib 512] [--device cpu|cuda]
+On the CPU the copy engine splits a large transfer over `--copy-threads` threads (the
+config's `engine.copy_threads`, default 2); the reference is one thread's memcpy.
+
+    python benchmarks/arena_copy.py [--layers 8] [--total-mib 512] [--device cpu|cuda] [--copy-threads 2]
 """
 
 from __future__ import annotations
@@ -69,9 +72,13 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--copy-threads", type=int, default=2, help="CPU copy threads (engine.copy_threads)")
     args = parser.parse_args()
 
-    print(f"device {args.device}, {args.layers} layers per chunk, {args.total_mib} MiB per measurement, best of {args.repeats}")
+    print(
+        f"device {args.device}, {args.layers} layers per chunk, {args.total_mib} MiB per measurement, "
+        f"best of {args.repeats}, {args.copy_threads} copy threads"
+    )
     print(f"{'chunk':>9} {'store GB/s':>11} {'load GB/s':>10} {'ref GB/s':>10} {'store/ref':>10} {'load/ref':>9}")
     for size_kib in SIZES_KIB:
         chunk_bytes = size_kib * 1024
@@ -89,6 +96,7 @@ def main() -> None:
                     blocks_per_chunk=1,
                     rank=0,
                     rank_stride=chunk_bytes,
+                    copy_threads=args.copy_threads,
                 )
                 block_ids = np.arange(num_chunks, dtype=np.int32)
                 job = iter(range(1 << 30))

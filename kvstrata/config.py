@@ -176,6 +176,13 @@ class EngineConfig(_Strict):
         description="longest a request waits (RETRY) for its chunks to be located or promoted "
         "before its lookups answer MISS and it recomputes",
     )
+    copy_threads: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="threads a CPU engine's worker copies one large transfer with (CUDA copies run on "
+        "their own streams and ignore this)",
+    )
 
 
 class RayConfig(_Strict):

@@ -95,5 +95,7 @@ class StrataSpec(OffloadingSpec):
         if self._worker is None:
             from kvstrata.connector.worker import StrataWorker
 
-            self._worker = StrataWorker(kv_caches, self.layout, self.config.parallel.rank)
+            self._worker = StrataWorker(
+                kv_caches, self.layout, self.config.parallel.rank, copy_threads=self.kvstrata_config.engine.copy_threads
+            )
         return self._worker

@@ -3,10 +3,13 @@ back bit-exact, for several tensors, groups, chunk sizes and ranks."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
+from kvstrata.connector import copy_engine
 from kvstrata.connector.copy_engine import CopyEngine, GroupRef, SlotLayout
 from kvstrata.tiers.arena import Arena
 
@@ -32,8 +35,13 @@ def pool(tmp_path):
 GROUPS = [[GroupRef(0, 256), GroupRef(1, 512)], [GroupRef(1, 400)]]
 
 
-def engine(tensors, rank):
-    return CopyEngine(tensors, GROUPS, blocks_per_chunk=2, rank=rank, rank_stride=sum(PAGES) * 2)
+def engine(tensors, rank, native=None):
+    return CopyEngine(tensors, GROUPS, blocks_per_chunk=2, rank=rank, rank_stride=sum(PAGES) * 2, native=native)
+
+
+NATIVE = pytest.param(
+    True, marks=pytest.mark.skipif(copy_engine.native_copy_rows is None, reason="the native copy module is not built")
+)
 
 
 def test_slot_layout_places_ranks_tensors_and_sub_blocks():
@@ -46,19 +54,20 @@ def test_slot_layout_places_ranks_tensors_and_sub_blocks():
         SlotLayout([256, 512], blocks_per_chunk=2, rank=0, rank_stride=1000)
 
 
-def test_round_trip_is_bit_exact_across_groups_and_partial_chunks(pool):
+@pytest.mark.parametrize("native", [NATIVE, False], ids=["native", "numpy"])
+def test_round_trip_is_bit_exact_across_groups_and_partial_chunks(pool, native):
     slots = np.array(pool.reserve("w", 6), dtype=np.int64)
     src = make_tensors(seed=1)
     # Group 0: 3 blocks starting one sub-block into a chunk -> 2 slots.
     # Group 1: 2 blocks starting at a chunk boundary -> 1 slot.
     block_ids = np.array([3, 7, 9, 11, 2], dtype=np.int32)
     group_sizes, block_indices = [3, 2], [1, 4]
-    writer = engine(src, rank=1)
+    writer = engine(src, rank=1, native=native)
     writer.store(5, pool.geometry, block_ids, group_sizes, block_indices, slots[:3])
     assert [c.job_id for c in writer.finished()] == [5]
 
     dst = [torch.zeros_like(t) for t in src]
-    reader = engine(dst, rank=1)
+    reader = engine(dst, rank=1, native=native)
     reader.load(6, pool.geometry, slots[:3], block_ids, group_sizes, block_indices)
     (done,) = reader.finished()
     assert done.success and done.num_bytes == 3 * (256 + 512) + 2 * 400
@@ -83,6 +92,81 @@ def test_transfer_shape_mismatch_is_an_error(pool):
         eng.store(1, pool.geometry, np.array([1], dtype=np.int32), [1, 0], [0, 0], slots)
     with pytest.raises(ValueError, match="names 1 KV groups, this worker has 2"):
         eng.store(1, pool.geometry, np.array([1], dtype=np.int32), [1], [0], slots[:1])
+
+
+def test_an_empty_transfer_completes_at_once(pool):
+    eng = engine(make_tensors(), rank=0)
+    empty = np.zeros(0, dtype=np.int64)
+    eng.store(4, pool.geometry, empty, [0, 0], [0, 0], empty)
+    assert [(c.job_id, c.success, c.num_bytes) for c in eng.finished()] == [(4, True, 0)]
+
+
+def test_a_block_id_outside_the_kv_cache_is_refused_before_any_copy(pool):
+    slots = np.array(pool.reserve("w", 1), dtype=np.int64)
+    eng = engine(make_tensors(), rank=0)
+    with pytest.raises(ValueError, match=f"block id {NUM_BLOCKS} is outside this worker's KV cache of {NUM_BLOCKS} blocks"):
+        eng.store(1, pool.geometry, np.array([1, NUM_BLOCKS], dtype=np.int32), [2, 0], [0, 0], slots)
+    assert not pool.view(int(slots[0])).any()
+    assert eng.finished() == []
+
+
+def test_the_native_copy_module_is_built_by_the_install():
+    """setup.py builds it wherever a C compiler exists, as on every machine kvstrata is tested on."""
+    assert copy_engine.native_copy_rows is not None
+
+
+@pytest.mark.parametrize("native", [NATIVE, False], ids=["native", "numpy"])
+def test_a_transfer_split_over_copy_threads_lands_exactly_where_one_thread_puts_it(tmp_path, monkeypatch, native):
+    """Large transfers are split over threads; every byte must still land in its place."""
+    monkeypatch.setattr(copy_engine, "PARALLEL_MIN_BYTES", 1 << 20)
+    pages, num_blocks, bpc = [4096, 8192, 12288], 96, 2
+    refs = [[GroupRef(0, 4096), GroupRef(1, 8192), GroupRef(2, 12288)], [GroupRef(1, 8000)]]
+    rank_stride = sum(pages) * bpc
+    g = torch.Generator().manual_seed(7)
+    src = [torch.randint(-128, 127, (num_blocks, p), dtype=torch.int8, generator=g) for p in pages]
+    arena = Arena(str(tmp_path), "n", capacity=64 << 20, segment_size=4 << 20, lease_seconds=10, prefault=False)
+    try:
+        pool = arena.pool("ns", rank_stride)
+        slots = np.array(pool.reserve("w", 2 * 48), dtype=np.int64)  # spans several segments
+        block_ids = np.random.default_rng(0).permutation(num_blocks).astype(np.int32)
+        sizes, first = [64, 32], [0, 0]
+        assert sum(pages) * 64 + 8000 * 32 >= copy_engine.PARALLEL_MIN_BYTES  # really split
+        engines = []
+        arena_bytes = []
+        for threads, job_slots in ((1, slots[:48]), (3, slots[48:])):
+            eng = CopyEngine(src, refs, bpc, rank=0, rank_stride=rank_stride, copy_threads=threads, native=native)
+            engines.append(eng)
+            eng.store(threads, pool.geometry, block_ids, sizes, first, job_slots)
+            arena_bytes.append(np.concatenate([pool.view(int(slot)).copy() for slot in job_slots]))
+        assert np.array_equal(arena_bytes[0], arena_bytes[1])
+        assert any(t.name.startswith("kvstrata-copy") for t in threading.enumerate())  # it was split
+
+        dst = [torch.zeros_like(t) for t in src]
+        reader = CopyEngine(dst, refs, bpc, rank=0, rank_stride=rank_stride, copy_threads=3, native=native)
+        engines.append(reader)
+        reader.load(9, pool.geometry, slots[48:], block_ids, sizes, first)
+        assert [c.job_id for c in reader.finished()] == [9]
+        full = block_ids[:64]
+        for t in range(3):
+            assert torch.equal(dst[t][full], src[t][full])
+        window = block_ids[64:]
+        assert torch.equal(dst[1][window, :8000], src[1][window, :8000])
+        assert not dst[1][window, 8000:].any() and not dst[0][window].any()
+        for eng in engines:
+            eng.close()
+        assert not any(t.name.startswith("kvstrata-copy") for t in threading.enumerate())
+    finally:
+        arena.close()
+
+
+def test_bad_engine_arguments_are_refused_with_the_value_at_fault():
+    args = dict(blocks_per_chunk=2, rank=0, rank_stride=sum(PAGES) * 2)
+    with pytest.raises(ValueError, match="copy_threads must be at least 1, got 0"):
+        CopyEngine(make_tensors(), GROUPS, copy_threads=0, **args)
+    with pytest.raises(ValueError, match="KV group 1 copies 600 bytes per page of tensor 1, whose pages are 512 bytes"):
+        CopyEngine(make_tensors(), [GROUPS[0], [GroupRef(1, 600)]], **args)
+    with pytest.raises(ValueError, match="KV group 0 names tensor 2; there are 2"):
+        CopyEngine(make_tensors(), [[GroupRef(2, 256)]], **args)
 
 
 @pytest.mark.gpu
