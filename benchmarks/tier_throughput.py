@@ -1,7 +1,7 @@
 """Throughput of a kvstrata tier through the node store, beside references measured in the
 same run on the same directory or server.
 
-    python benchmarks/tier_throughput.py --tier disk [--path /mnt/nvme/bench] [--total-mib 512]
+    python benchmarks/tier_throughput.py --tier disk [--path /mnt/nvme/bench] [--total-mib 512] [--threads 4] [--rounds 3]
     python benchmarks/tier_throughput.py --tier object [--total-mib 256] [--concurrency 16] [--rounds 3]
 
 object: a SeaweedFS S3 server on 127.0.0.1 (started here, warmed up first); chunks
@@ -14,11 +14,16 @@ tier and reference; the table shows medians (loopback S3 on 2 cores is noisy).
 disk: chunks committed to the arena are cascaded to disk (write-through, `io_threads`
 I/O threads) and promoted back (read, verify, commit into the arena) through the node
 store's public `step` call; the clock stops when the store reports no I/O in flight.
-References, with the same thread count and chunk size:
-  (a) raw O_DIRECT: each thread pwrite()s / pread()s aligned chunk-size buffers
-      sequentially into its own preallocated file (no checksums, no metadata);
+Writes are measured cold (into a new slab file) and warm (into records freed by
+eviction, as in a tier that has run for a while). References, with the same thread
+count, chunk size and random bytes in distinct, touched memory:
+  (a) raw O_DIRECT: each thread pwrite()s / pread()s chunk after chunk sequentially into
+      its own file (no checksums, no metadata), cold (new files) and warm (again);
   (b) vLLM's own `fs` secondary tier I/O (`vllm.v1.kv_offload.tiering.fs.io`
-      batch_store_block / batch_load_block: one file per chunk, O_DIRECT), if vLLM is installed.
+      batch_store_block / batch_load_block: one file per chunk, O_DIRECT), if vLLM is
+      installed; every store creates its file, so it has no warm case.
+Rounds alternate the three; the table shows medians (this VM's disk drifts by tens of
+percent within a minute).
 """
 
 from __future__ import annotations
@@ -47,9 +52,22 @@ def split(items: list, parts: int) -> list[list]:
     return [items[i::parts] for i in range(parts)]
 
 
-def raw_o_direct(directory: str, chunk: int, count: int, threads: int) -> tuple[float, float]:
-    buffer = mmap.mmap(-1, chunk)
-    buffer.write(os.urandom(min(chunk, 1 << 20)) * max(1, chunk // (1 << 20)))
+def random_buffer(size: int, seed: int) -> mmap.mmap:
+    """Page-aligned random bytes, every page touched before any timing."""
+    buffer = mmap.mmap(-1, size)
+    np.frombuffer(buffer, dtype=np.uint8)[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    return buffer
+
+
+def raw_o_direct(directory: str, chunk: int, count: int, threads: int) -> tuple[float, float, float]:
+    """Cold write (new files), warm write (the same files again) and read, in seconds.
+
+    Each thread pwrite()s / pread()s its chunks, one at a time, into its own file. Every
+    chunk has its own place in memory, as in any tier: on this VM, O_DIRECT reads into
+    one reused buffer run at about half the speed of reads into distinct memory, which
+    would make the reference look slower than the disk is.
+    """
+    view = memoryview(random_buffer(chunk * count, seed=2))
     paths = [os.path.join(directory, f"raw-{t}.bin") for t in range(threads)]
     per_thread = split(list(range(count)), threads)
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
@@ -57,30 +75,31 @@ def raw_o_direct(directory: str, chunk: int, count: int, threads: int) -> tuple[
     def write(t: int) -> None:
         fd = os.open(paths[t], flags, 0o600)
         try:
-            for i, _ in enumerate(per_thread[t]):
-                os.pwrite(fd, buffer, i * chunk)
+            for i, c in enumerate(per_thread[t]):
+                os.pwrite(fd, view[c * chunk : (c + 1) * chunk], i * chunk)
         finally:
             os.close(fd)
 
     def read(t: int) -> None:
         fd = os.open(paths[t], flags, 0o600)
-        out = mmap.mmap(-1, chunk)
         try:
-            for i, _ in enumerate(per_thread[t]):
-                os.preadv(fd, [out], i * chunk)
+            for i, c in enumerate(per_thread[t]):
+                os.preadv(fd, [view[c * chunk : (c + 1) * chunk]], i * chunk)
         finally:
             os.close(fd)
 
     with ThreadPoolExecutor(threads) as pool:
-        start = time.perf_counter()
-        list(pool.map(write, range(threads)))
-        write_s = time.perf_counter() - start
-        start = time.perf_counter()
-        list(pool.map(read, range(threads)))
-        read_s = time.perf_counter() - start
+
+        def timed(work: Callable[[int], None]) -> float:
+            os.sync()
+            start = time.perf_counter()
+            list(pool.map(work, range(threads)))
+            return time.perf_counter() - start
+
+        cold_s, warm_s, read_s = timed(write), timed(write), timed(read)
     for path in paths:
-        os.unlink(path)
-    return write_s, read_s
+        os.remove(path)
+    return cold_s, warm_s, read_s
 
 
 def vllm_fs(directory: str, chunk: int, count: int, threads: int) -> tuple[float, float] | None:
@@ -89,8 +108,7 @@ def vllm_fs(directory: str, chunk: int, count: int, threads: int) -> tuple[float
     except ImportError:
         return None
     direct = probe_o_direct(directory)
-    buffer = mmap.mmap(-1, chunk * count)
-    view = memoryview(buffer)
+    view = memoryview(random_buffer(chunk * count, seed=1))  # random bytes, as the other two write
     paths = [os.path.join(directory, "vllm", f"{i % 256:02x}", f"chunk-{i}") for i in range(count)]
     groups = split(list(range(count)), threads)
 
@@ -101,6 +119,7 @@ def vllm_fs(directory: str, chunk: int, count: int, threads: int) -> tuple[float
         batch_load_block([paths[i] for i in indices], view, [i * chunk for i in indices], chunk, direct)
 
     with ThreadPoolExecutor(threads) as pool:
+        os.sync()
         start = time.perf_counter()
         list(pool.map(store, groups))
         write_s = time.perf_counter() - start
@@ -111,7 +130,9 @@ def vllm_fs(directory: str, chunk: int, count: int, threads: int) -> tuple[float
     return write_s, read_s
 
 
-def cascade_and_promote(store: NodeStore, namespace: str, chunk: int, count: int) -> tuple[float, float]:
+def cascade_and_promote(
+    store: NodeStore, namespace: str, chunk: int, count: int, first_key: int = 0
+) -> tuple[float, float]:
     """Seconds to cascade `count` committed chunks out of the arena, and to promote them back.
 
     Both clocks stop when the store reports no I/O in flight; the arena forgets the
@@ -124,7 +145,7 @@ def cascade_and_promote(store: NodeStore, namespace: str, chunk: int, count: int
     rng = np.random.default_rng(0)
     for slot in slots:
         pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
-    keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(count)]
+    keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(first_key, first_key + count)]
     os.sync()  # the last measurement's writeback must not slow this one
     start = time.perf_counter()
     store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys))))
@@ -136,17 +157,24 @@ def cascade_and_promote(store: NodeStore, namespace: str, chunk: int, count: int
     reply = store.step(StepRequest("bench", namespace, pin=keys))
     assert len(reply.pending) == count, "every chunk should be promoted from the tier"
     assert store.wait_io(600)
-    return write_s, time.perf_counter() - start
+    read_s = time.perf_counter() - start
+    pool.purge()
+    return write_s, read_s
 
 
-def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float, bool]:
+def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float, float, bool]:
+    """Cold write (into a new slab), warm write (into records the first fill left) and read.
+
+    The disk holds one fill: the second fill evicts the first and reuses its records, as
+    a tier that has been running does.
+    """
     disk_dir = os.path.join(directory, "kvstrata")
     config = {
         "tiers": {
             "cpu": {"capacity": chunk * (count + 4), "segment_size": 256 << 20, "shm_dir": shm_dir},
             "disk": {
                 "path": disk_dir,
-                "capacity": (HEADER_BYTES + chunk) * (count + 4),
+                "capacity": (HEADER_BYTES + chunk) * count,
                 "io_threads": threads,
                 "queue_depth": count,
             },
@@ -154,14 +182,16 @@ def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads:
     }
     store = NodeStore(config, "bench-node")
     try:
-        write_s, read_s = cascade_and_promote(store, "bench", chunk, count)
+        cold_s, _ = cascade_and_promote(store, "bench", chunk, count)
+        warm_s, read_s = cascade_and_promote(store, "bench", chunk, count, first_key=count)
         stats = store.stats()
-        assert stats["promotions"] == count and stats["disk"]["corrupt_chunks"] == 0
+        assert stats["promotions"] == 2 * count and stats["disk"]["corrupt_chunks"] == 0
+        assert stats["disk"]["evicted"] == count, "the second fill should reuse the first one's records"
         direct = all(stats["disk"]["direct_io"].values())
     finally:
         store.close()
         shutil.rmtree(disk_dir, ignore_errors=True)
-    return write_s, read_s, direct
+    return cold_s, warm_s, read_s, direct
 
 
 def kvstrata_object(
@@ -276,44 +306,60 @@ def object_main(total_mib: int, concurrency: int, rounds: int) -> None:
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
+def disk_main(path: str | None, total_mib: int, threads: int, rounds: int) -> None:
+    directory = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=path or "/var/tmp")
+    shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
+    try:
+        print(f"disk tier in {directory}, {total_mib} MiB per measurement, {threads} I/O threads, "
+              f"medians of {rounds} interleaved rounds; GB/s, then ratios")  # fmt: skip
+        print("  cold: writes into new files (kvstrata: a new slab; vLLM: every store creates its file)")
+        print("  warm: writes over blocks written before (kvstrata: records freed by eviction)")
+        columns = ["kv cold", "kv warm", "kv read", "raw cold", "raw warm", "raw read", "vllm w", "vllm r",
+                   "cold/raw", "warm/raw", "read/raw", "w/vllm", "r/vllm"]  # fmt: skip
+        print(f"{'chunk':>9} " + " ".join(f"{c:>8}" for c in columns))
+        for size_kib in SIZES_KIB:
+            chunk = size_kib * 1024
+            count = max(threads, total_mib * 1024 * 1024 // chunk)
+            samples: dict[str, list[tuple[float, ...]]] = {"kvstrata": [], "raw": [], "vllm": []}
+            direct = True
+            # The disk drifts by tens of percent within a minute: alternate the three and
+            # compare medians, not one shot each.
+            for _ in range(rounds):
+                *seconds, direct = kvstrata_disk(directory, shm_dir, chunk, count, threads)
+                samples["kvstrata"].append(tuple(seconds))
+                samples["raw"].append(raw_o_direct(directory, chunk, count, threads))
+                ref = vllm_fs(directory, chunk, count, threads)
+                if ref is not None:
+                    samples["vllm"].append(ref)
+            gb = lambda s: chunk * count / s / 1e9  # noqa: E731
+            med = {name: [gb(statistics.median(column)) for column in zip(*rows)] for name, rows in samples.items()}
+            kc, kw, kr = med["kvstrata"]
+            rc, rw, rr = med["raw"]
+            vw, vr = med["vllm"] or [float("nan")] * 2
+            figures = [kc, kw, kr, rc, rw, rr, vw, vr, kc / rc, kw / rw, kr / rr, kc / vw, kr / vr]
+            print(
+                f"{size_kib:>6}KiB " + " ".join(f"{f:>8.2f}" for f in figures)
+                + ("" if direct else "  (buffered: no O_DIRECT here)")
+            )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tier", choices=["disk", "object"], default="disk")
     parser.add_argument("--concurrency", type=int, default=16, help="object tier: max_concurrency")
     parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a temp dir in /var/tmp)")
     parser.add_argument("--total-mib", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3, help="object tier: interleaved rounds (medians)")
+    parser.add_argument("--threads", type=int, default=4, help="disk tier: io_threads (and the references' threads)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     args = parser.parse_args()
     if args.tier == "object":
         object_main(args.total_mib if args.total_mib != 512 else 256, args.concurrency, args.rounds)
         return
 
-    directory = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=args.path or "/var/tmp")
-    shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
-    try:
-        print(f"disk tier in {directory}, {args.total_mib} MiB per measurement, {args.threads} I/O threads")
-        print(
-            f"{'chunk':>9} {'write GB/s':>11} {'read GB/s':>10} {'raw w':>7} {'raw r':>7} {'vllm w':>7} {'vllm r':>7}"
-            f" {'w/raw':>6} {'r/raw':>6} {'w/vllm':>7} {'r/vllm':>7}"
-        )
-        for size_kib in SIZES_KIB:
-            chunk = size_kib * 1024
-            count = max(args.threads, args.total_mib * 1024 * 1024 // chunk)
-            total = chunk * count
-            kw, kr, direct = kvstrata_disk(directory, shm_dir, chunk, count, args.threads)
-            rw, rr = raw_o_direct(directory, chunk, count, args.threads)
-            ref = vllm_fs(directory, chunk, count, args.threads)
-            gb = lambda s: total / s / 1e9  # noqa: E731
-            vw, vr = (gb(ref[0]), gb(ref[1])) if ref else (float("nan"), float("nan"))
-            print(
-                f"{size_kib:>6}KiB {gb(kw):>11.2f} {gb(kr):>10.2f} {gb(rw):>7.2f} {gb(rr):>7.2f} {vw:>7.2f} {vr:>7.2f}"
-                f" {rw / kw:>6.2f} {rr / kr:>6.2f} {gb(kw) / vw:>7.2f} {gb(kr) / vr:>7.2f}"
-                + ("" if direct else "  (buffered: no O_DIRECT here)")
-            )
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
+    disk_main(args.path, args.total_mib, args.threads, args.rounds)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ import threading
 import numpy as np
 import pytest
 
+from kvstrata.actors import node_store as node_store_module
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager
@@ -185,3 +187,44 @@ def test_a_full_write_queue_drops_disk_writes_without_blocking(env):
     release.set()
     assert store.wait_io(10)
     assert len(store.keys(manager.namespace, "STORAGE")) == 1
+
+
+def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monkeypatch):
+    """Each disk job moves at most DISK_JOB_BYTES, so I/O threads checksum a little and go
+    back to the disk, and the first promoted chunks are ready before the last are read."""
+    monkeypatch.setattr(node_store_module, "DISK_JOB_BYTES", 3 * SLOT)
+    make_store, _ = env
+    store, _ = make_store(slots=24, io_threads=2)
+    calls = []
+    for name in ("write_many", "read_many"):
+        real = getattr(store.disk, name)
+
+        def counted(namespace, items, real=real, name=name):
+            calls.append((name, len(items)))
+            return real(namespace, items)
+
+        monkeypatch.setattr(store.disk, name, counted)
+    store.register("bulk", "ns", SLOT)
+    pool = store.arena.pools["ns"]
+    slots = pool.reserve("bulk", 20)
+    keys = [key(i) for i in range(20)]
+    data = {}
+    for i, (k, slot) in enumerate(zip(keys, slots)):
+        data[k] = np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8)
+        pool.view(slot)[:] = data[k]
+    store.step(StepRequest("bulk", "ns", commit=list(zip(slots, keys))))
+    assert store.wait_io(10)
+    pool.drop_holder("bulk")
+    pool.purge()  # only the disk has them now
+    reply = store.step(StepRequest("bulk", "ns", pin=keys))
+    assert len(reply.pending) == 20
+    assert store.wait_io(10)
+
+    writes = [n for name, n in calls if name == "write_many"]
+    reads = [n for name, n in calls if name == "read_many"]
+    assert sum(writes) == 20 and max(writes) == 3 and len(writes) == 7
+    assert sum(reads) == 20 and max(reads) == 3 and len(reads) == 7
+    for k in keys:
+        slot = pool.lookup(k)
+        assert slot is not None and np.array_equal(pool.view(slot), data[k])
+    assert store.stats()["promotions"] == 20
