@@ -22,8 +22,8 @@ count, chunk size and random bytes in distinct, touched memory:
   (b) vLLM's own `fs` secondary tier I/O (`vllm.v1.kv_offload.tiering.fs.io`
       batch_store_block / batch_load_block: one file per chunk, O_DIRECT), if vLLM is
       installed; every store creates its file, so it has no warm case.
-Rounds alternate the three; the table shows medians (this VM's disk drifts by tens of
-percent within a minute).
+Rounds alternate the three, in an order that rotates every round; the table shows
+medians (this VM's disk drifts by tens of percent within a minute).
 """
 
 from __future__ import annotations
@@ -323,14 +323,22 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int) -> No
             samples: dict[str, list[tuple[float, ...]]] = {"kvstrata": [], "raw": [], "vllm": []}
             direct = True
             # The disk drifts by tens of percent within a minute: alternate the three and
-            # compare medians, not one shot each.
-            for _ in range(rounds):
-                *seconds, direct = kvstrata_disk(directory, shm_dir, chunk, count, threads)
-                samples["kvstrata"].append(tuple(seconds))
-                samples["raw"].append(raw_o_direct(directory, chunk, count, threads))
-                ref = vllm_fs(directory, chunk, count, threads)
-                if ref is not None:
-                    samples["vllm"].append(ref)
+            # compare medians, not one shot each. The order rotates every round: the root
+            # filesystem here is mounted with `discard`, so whatever runs right after another
+            # measurement's files are deleted shares the disk with their discards.
+            runs = {
+                "kvstrata": lambda: kvstrata_disk(directory, shm_dir, chunk, count, threads),
+                "raw": lambda: raw_o_direct(directory, chunk, count, threads),
+                "vllm": lambda: vllm_fs(directory, chunk, count, threads),
+            }
+            order = list(runs)
+            for round_ in range(rounds):
+                for name in order[round_ % 3 :] + order[: round_ % 3]:
+                    result = runs[name]()
+                    if name == "kvstrata":
+                        *result, direct = result
+                    if result is not None:
+                        samples[name].append(tuple(result))
             gb = lambda s: chunk * count / s / 1e9  # noqa: E731
             med = {name: [gb(statistics.median(column)) for column in zip(*rows)] for name, rows in samples.items()}
             kc, kw, kr = med["kvstrata"]
