@@ -302,16 +302,26 @@ class CopyEngine:
         """
         rows = plan.tensor_idx
         page_addr = self._tensor_base[rows] + plan.block_id * self._row_stride[rows]
-        if (plan.num_bytes > self._row_bytes[rows]).any():
-            raise ValueError("a page copy is longer than its KV cache row")
+        too_long = np.flatnonzero(plan.num_bytes > self._row_bytes[rows])
+        if too_long.size:
+            i = too_long[0]
+            raise ValueError(
+                f"a copy of {plan.num_bytes[i]} bytes from block {plan.block_id[i]} of tensor {rows[i]} "
+                f"is longer than its {self._row_bytes[rows[i]]}-byte page"
+            )
         seg_ids = np.fromiter(segments, dtype=np.int64, count=len(segments))
         seg_base = np.zeros(int(seg_ids.max()) + 1, dtype=np.int64)
         seg_size = np.zeros_like(seg_base)
         for seg, tensor in segments.items():
             seg_base[seg] = tensor.data_ptr()
             seg_size[seg] = tensor.numel()
-        if (plan.offset < 0).any() or (plan.offset + plan.num_bytes > seg_size[plan.segment]).any():
-            raise ValueError("a page copy reaches past the end of its arena segment")
+        outside = np.flatnonzero((plan.offset < 0) | (plan.offset + plan.num_bytes > seg_size[plan.segment]))
+        if outside.size:
+            i = outside[0]
+            raise ValueError(
+                f"a copy of {plan.num_bytes[i]} bytes at offset {plan.offset[i]} lies outside arena segment "
+                f"{plan.segment[i]} ({seg_size[plan.segment[i]]} bytes)"
+            )
         slot_addr = seg_base[plan.segment] + plan.offset
         sizes = np.ascontiguousarray(plan.num_bytes, dtype=np.int64)
         if direction == "store":

@@ -187,3 +187,18 @@ def test_cuda_round_trip_through_registered_arena(pool):
         assert torch.equal(dst[0][b], src[0][b]) and torch.equal(dst[1][b], src[1][b])
     writer.close()
     reader.close()
+
+
+@pytest.mark.skipif(copy_engine.native_copy_rows is None, reason="the native copy module is not built")
+def test_the_native_path_refuses_rows_outside_their_buffers_before_copying(pool):
+    """The native loop trusts its addresses: a row past a page or a segment must never reach it."""
+    (slot,) = pool.reserve("w", 1)
+    eng = engine(make_tensors(), rank=0, native=True)
+    plan = eng.plan(pool.geometry, np.array([1], dtype=np.int32), [1, 0], [0, 0], np.array([slot], dtype=np.int64))
+    segments = {0: eng.arena.tensor(pool.geometry, 0)}
+    past_segment = plan._replace(offset=plan.offset + pool.geometry.slots_per_segment * pool.geometry.slot_bytes)
+    with pytest.raises(ValueError, match="lies outside arena segment 0"):
+        eng._addresses("store", past_segment, segments)
+    past_page = plan._replace(num_bytes=plan.num_bytes + 1)
+    with pytest.raises(ValueError, match="from block 1 of tensor 0 is longer than its 256-byte page"):
+        eng._addresses("load", past_page, segments)
