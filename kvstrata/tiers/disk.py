@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 SLAB_SUFFIX = ".slab"
 # Records per pwritev: two iovecs each, within Linux's IOV_MAX of 1024.
 MAX_RUN = 256
+# Bytes one preadv asks for at most (at least one record). A job's reads then keep a few
+# requests queued per thread instead of hundreds: measured with 4 threads on this VM's
+# disk, reads went from 1.5-1.8 to 2.0-2.4 GB/s at 1-8 MiB chunks (rotated A/B rounds);
+# writes showed no such effect and keep whole runs.
+READ_RUN_BYTES = 8 << 20
 
 
 class DiskTierError(RuntimeError):
@@ -69,13 +74,13 @@ def _staging_buffer(name: str, size: int) -> np.ndarray:
     return np.frombuffer(buffer, dtype=np.uint8, count=size)
 
 
-def _runs(records: list[int]) -> list[tuple[int, int]]:
+def _runs(records: list[int], max_records: int = MAX_RUN) -> list[tuple[int, int]]:
     """[start, end) index ranges of sorted `records` that are neighbours on disk."""
     runs = []
     start = 0
     while start < len(records):
         end = start + 1
-        while end < len(records) and end - start < MAX_RUN and records[end] == records[end - 1] + 1:
+        while end < len(records) and end - start < max_records and records[end] == records[end - 1] + 1:
             end += 1
         runs.append((start, end))
         start = end
@@ -306,9 +311,9 @@ class DiskTier:
     def read_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
         """Read and verify chunks into their buffers; per chunk, whether it is there now.
 
-        Neighbouring records are read with one `preadv`. A chunk that fails (absent,
-        unreadable, corrupt) is a miss; a failed one is dropped from the index. The
-        buffer of a failed chunk holds garbage and must not be used.
+        Neighbouring records are read with one `preadv` of up to `READ_RUN_BYTES`. A chunk
+        that fails (absent, unreadable, corrupt) is a miss; a failed one is dropped from the
+        index. The buffer of a failed chunk holds garbage and must not be used.
         """
         outs = [out.view(np.uint8).reshape(-1) for _, out in items]
         ok = [False] * len(items)
@@ -331,7 +336,8 @@ class DiskTier:
         todo.sort(key=lambda item: item[1])
         headers, bodies, bounced = slab.stage([outs[i] for i, _ in todo], "read")
         errors: dict[int, str] = {}
-        for start, end in _runs([record for _, record in todo]):
+        per_read = max(1, min(MAX_RUN, READ_RUN_BYTES // slab.record_bytes))
+        for start, end in _runs([record for _, record in todo], per_read):
             iovecs = []
             for n in range(start, end):
                 iovecs += [headers[n], memoryview(bodies[n])]

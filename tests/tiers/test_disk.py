@@ -9,6 +9,7 @@ import signal
 import numpy as np
 import pytest
 
+from kvstrata.tiers import disk as disk_module
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier, DiskTierError
 from tests.utils import key
 
@@ -221,3 +222,24 @@ def test_evicting_a_full_attention_chunk_drops_the_other_groups_at_its_position(
     assert tier.contains(NS, key(1)) and tier.contains(NS, key(2))
     assert tier.write(NS, key(3), chunk(10)) and tier.write(NS, key(4), chunk(11))  # freed records are reused
     assert tier.stats()["allocated"] <= capacity
+
+
+def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path, tiers, monkeypatch):
+    """Reads keep few requests queued (READ_RUN_BYTES per call); every chunk still verifies."""
+    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 3 * (CHUNK + HEADER_BYTES))
+    tier = open_tier(tiers, tmp_path)
+    keys = [key(i) for i in range(10)]
+    assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
+    sizes = []
+    real_preadv = os.preadv
+
+    def counted(fd, buffers, offset):
+        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
+    assert all(tier.read_many(NS, list(zip(keys, outs))))
+    assert sizes == [3 * (CHUNK + HEADER_BYTES)] * 3 + [CHUNK + HEADER_BYTES]
+    for i, out in enumerate(outs):
+        assert np.array_equal(out, chunk(i))
