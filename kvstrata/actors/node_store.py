@@ -101,6 +101,7 @@ class NodeStore:
         self._uploads_pending = 0
         self._scanned_at = float("-inf")  # when the last sweep of the object store started
         self._scanned: set[str] = set()  # namespaces the last complete sweep covered
+        self._swept: set[str] = set()  # namespaces some sweep has finished with (listed or failed)
         self._scanning = False
         self._clock = clock
         self._promoting: set[tuple[str, bytes]] = set()
@@ -181,7 +182,12 @@ class NodeStore:
             self.arena.renew(holder)
             seq, changes = self._log(namespace).snapshot()
             return Registration(
-                epoch=self.arena.epoch, node_id=self.node_id, geometry=pool.geometry, seq=seq, changes=changes
+                epoch=self.arena.epoch,
+                node_id=self.node_id,
+                geometry=pool.geometry,
+                seq=seq,
+                changes=changes,
+                indexed=self._indexed(namespace),
             )
 
     def step(self, request: StepRequest) -> StepReply:
@@ -256,6 +262,7 @@ class NodeStore:
                 changes=changes,
                 snapshot=snapshot,
                 rejected=rejected,
+                indexed=self._indexed(namespace),
             )
 
     def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
@@ -540,7 +547,13 @@ class NodeStore:
         with self._lock:
             if entries is not None:
                 self._scanned = set(before)
+            # A failed listing counts too: waiting longer would not tell the engines more.
+            self._swept.update(before)
             self._scanning = False
+
+    def _indexed(self, namespace: str) -> bool:
+        """Whether this store's view of the namespace covers the object store (callers hold the lock)."""
+        return self.object is None or namespace in self._swept
 
     def _promote(
         self,

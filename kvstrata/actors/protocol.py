@@ -65,6 +65,10 @@ class StepReply:
     # True: `changes` lists everything present and replaces the engine's mirror.
     snapshot: bool = False
     rejected: list[str] = field(default_factory=list)
+    # False while the store's first sweep of the object store for this namespace is still
+    # running: chunks already in the bucket may be missing from `changes`, so this view
+    # must not turn a lookup into a MISS.
+    indexed: bool = True
 
 
 @dataclass
@@ -76,3 +80,4 @@ class Registration:
     geometry: object  # kvstrata.tiers.arena.PoolGeometry
     seq: int
     changes: list[tuple[bytes, str, bool]]  # everything present, as in a snapshot reply
+    indexed: bool = True  # as in StepReply

@@ -424,7 +424,9 @@ class StrataManager(OffloadingManager):
     # --- internals ----------------------------------------------------------------------
 
     def _adopt(self, registration: Registration, as_of: float) -> None:
-        self._view_as_of = as_of
+        # A view that may lack the bucket's chunks never counts as fresh: lookups RETRY
+        # (at most lookup_wait_seconds) until a reply says the store has listed it.
+        self._view_as_of = as_of if registration.indexed else float("-inf")
         self._epoch = registration.epoch
         self._geometry: PoolGeometry = registration.geometry
         self._seq = registration.seq
@@ -537,7 +539,8 @@ class StrataManager(OffloadingManager):
     def _apply_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
         if request.epoch != self._epoch:
             return
-        self._view_as_of = max(self._view_as_of, sent_at)
+        if reply.indexed:
+            self._view_as_of = max(self._view_as_of, sent_at)
         self._reserve_outstanding -= request.reserve
         self._stock.extend(reply.reserved)
         if reply.reserve_cap:

@@ -3,6 +3,7 @@ integrity and an unreachable store, with in-process node stores over fsspec's me
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime, timedelta, timezone
 
 import numpy as np
@@ -94,6 +95,34 @@ def test_a_chunk_stored_on_one_node_is_a_hit_on_another(env):
     assert {k for e in remote for k in e.keys} == set(keys)
     if Locality is not None:
         assert all(e.locality == Locality.REMOTE for e in remote)
+
+
+def test_a_new_node_never_misses_a_chunk_in_the_bucket_while_it_is_still_listing_it(env, monkeypatch):
+    """Until a store's first sweep of the bucket is done, its view lacks what other nodes
+    uploaded: lookups must RETRY (bounded by lookup_wait_seconds), not answer MISS."""
+    new_store, new_manager = env
+    store_a, cfg = new_store("a", slots=16, reserve_slots=4)
+    writer = new_manager(store_a, cfg, holder="writer")
+    data = store_chunks(store_a, writer, [key(1)])
+
+    store_b, cfg_b = new_store("b", slots=16, reserve_slots=4)
+    listed = threading.Event()
+    real_find = store_b.object.fs.find
+
+    def slow_find(*args, **kwargs):
+        assert listed.wait(10), "the test never let the listing finish"
+        return real_find(*args, **kwargs)
+
+    monkeypatch.setattr(store_b.object.fs, "find", slow_find)
+    reader = new_manager(store_b, cfg_b, holder="reader")  # registers: the first sweep starts
+    try:
+        assert reader.lookup(key(1), ctx("reader")) is RETRY
+        step(reader)  # a fresh view, but the sweep is still listing
+        assert reader.lookup(key(1), ctx("reader")) is RETRY
+    finally:
+        listed.set()
+    assert store_b.wait_io(10)
+    assert np.array_equal(load(store_b, reader, [key(1)])[key(1)], data[key(1)])
 
 
 def test_chunks_already_in_the_bucket_are_not_stored_again(env):
