@@ -185,7 +185,7 @@ class CopyEngine:
             self._numpy_tensors = [t.numpy() for t in self.tensors]
             self._tensor_base = np.array([t.data_ptr() for t in self.tensors], dtype=np.int64)
             self._row_stride = np.array([t.stride(0) for t in self.tensors], dtype=np.int64)
-            self._row_bytes = np.array([t.shape[1] for t in self.tensors], dtype=np.int64)
+            self._row_bytes = np.array(self.layout.page_bytes, dtype=np.int64)
         if native and native_copy_rows is None:
             raise RuntimeError("kvstrata's native copy module (_rowcopy) was not built; reinstall with a C compiler")
         self.native = not self.is_cuda and native_copy_rows is not None and native is not False
