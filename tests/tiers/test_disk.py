@@ -243,3 +243,49 @@ def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path
     assert sizes == [3 * (CHUNK + HEADER_BYTES)] * 3 + [CHUNK + HEADER_BYTES]
     for i, out in enumerate(outs):
         assert np.array_equal(out, chunk(i))
+
+
+def test_a_long_run_is_written_in_bounded_calls_sealed_apart_and_verified(tmp_path, tiers, monkeypatch):
+    """Writes go out WRITE_RUN_BYTES at a time while the digest threads seal the next run."""
+    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 4 * (CHUNK + HEADER_BYTES))
+    tier = open_tier(tiers, tmp_path)
+    sizes = []
+    real_pwritev = os.pwritev
+
+    def counted(fd, buffers, offset):
+        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", counted)
+    keys = [key(i) for i in range(10)]
+    assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
+    assert sizes == [4 * (CHUNK + HEADER_BYTES)] * 2 + [2 * (CHUNK + HEADER_BYTES)]
+    tier.close()
+    again = open_tier(tiers, tmp_path)  # every record's header and digest made it to disk
+    outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
+    assert all(again.read_many(NS, list(zip(keys, outs))))
+    for i, out in enumerate(outs):
+        assert np.array_equal(out, chunk(i))
+
+
+def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monkeypatch):
+    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * (CHUNK + HEADER_BYTES))
+    tier = open_tier(tiers, tmp_path, direct_io=False)
+    real_pwritev = os.pwritev
+    calls = []
+
+    def failing_second(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", failing_second)
+    stored = tier.write_many(NS, [(key(i), chunk(i)) for i in range(6)])
+    assert stored == [True, True, False, False, False, False]
+    assert len(calls) == 2, "nothing is written after a failed run"
+    assert tier.keys(NS) == [key(0), key(1)] and tier.stats()["write_errors"] == 1
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert tier.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
+    assert not tier.read_into(NS, key(2), out)
+
