@@ -56,6 +56,7 @@ MAX_RUN = 256
 # and the digests of the next run are computed while this one is on its way.
 READ_RUN_BYTES = 8 << 20
 WRITE_RUN_BYTES = 32 << 20
+FIRST_WRITE_RUN_BYTES = 1 << 20
 # Threads hashing runs for the I/O threads (xxhash releases the GIL): one hashes at
 # ~10 GB/s, several times what a disk moves; two keep an I/O thread from queueing
 # behind another's run.
@@ -83,16 +84,21 @@ def _staging_buffer(name: str, size: int) -> np.ndarray:
     return np.frombuffer(buffer, dtype=np.uint8, count=size)
 
 
-def _runs(records: list[int], max_records: int = MAX_RUN) -> list[tuple[int, int]]:
-    """[start, end) index ranges of sorted `records` that are neighbours on disk."""
+def _runs(records: list[int], max_records: int = MAX_RUN, first_records: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) index ranges of sorted `records` that are neighbours on disk.
+
+    With `first_records`, runs start that long and double up to `max_records`.
+    """
     runs = []
     start = 0
+    limit = max_records if first_records is None else max(1, min(first_records, max_records))
     while start < len(records):
         end = start + 1
-        while end < len(records) and end - start < max_records and records[end] == records[end - 1] + 1:
+        while end < len(records) and end - start < limit and records[end] == records[end - 1] + 1:
             end += 1
         runs.append((start, end))
         start = end
+        limit = min(2 * limit, max_records)
     return runs
 
 
@@ -291,8 +297,16 @@ class DiskTier:
                     bodies[n][: payload.nbytes] = payload
                     bodies[n][payload.nbytes :] = 0
 
-        runs = _runs([record for _, record in todo], self._per_run(slab, WRITE_RUN_BYTES))
-        sealed = [self._digests.submit(seal, start, end) for start, end in runs]
+        # The first run is short and each doubles: the disk gets the first bytes after a
+        # sub-millisecond seal, and every later seal hides behind the write before it.
+        runs = _runs(
+            [record for _, record in todo],
+            self._per_run(slab, WRITE_RUN_BYTES),
+            first_records=self._per_run(slab, FIRST_WRITE_RUN_BYTES),
+        )
+        # One run sealed ahead: queued all at once, one job's first run would wait behind
+        # every run of the jobs before it (measured: 40-60 ms per job at 256 KiB chunks).
+        sealed = [self._digests.submit(seal, *runs[0])]
         failed: set[int] = set()
         error: OSError | None = None
         try:
@@ -302,11 +316,13 @@ class DiskTier:
                 except OSError as exc:  # the disk is full: nothing of this batch is written
                     error = exc
                     failed.update(range(len(todo)))
-            for (start, end), run_sealed in zip(runs, sealed):
-                run_sealed.result()
+            for n_run, (start, end) in enumerate(runs):
                 if failed:  # the disk is full or failing: the rest of the batch is not written
                     failed.update(range(start, end))
                     continue
+                if n_run + 1 < len(runs):
+                    sealed.append(self._digests.submit(seal, *runs[n_run + 1]))
+                sealed[n_run].result()
                 iovecs = []
                 for n in range(start, end):
                     iovecs += [headers[n], memoryview(bodies[n])]

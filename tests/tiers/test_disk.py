@@ -245,8 +245,9 @@ def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path
         assert np.array_equal(out, chunk(i))
 
 
-def test_a_long_run_is_written_in_bounded_calls_sealed_apart_and_verified(tmp_path, tiers, monkeypatch):
-    """Writes go out WRITE_RUN_BYTES at a time while the digest threads seal the next run."""
+def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verified(tmp_path, tiers, monkeypatch):
+    """Writes start short and double up to WRITE_RUN_BYTES while the digest threads seal the next run."""
+    monkeypatch.setattr(disk_module, "FIRST_WRITE_RUN_BYTES", CHUNK + HEADER_BYTES)
     monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 4 * (CHUNK + HEADER_BYTES))
     tier = open_tier(tiers, tmp_path)
     sizes = []
@@ -259,7 +260,7 @@ def test_a_long_run_is_written_in_bounded_calls_sealed_apart_and_verified(tmp_pa
     monkeypatch.setattr(os, "pwritev", counted)
     keys = [key(i) for i in range(10)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
-    assert sizes == [4 * (CHUNK + HEADER_BYTES)] * 2 + [2 * (CHUNK + HEADER_BYTES)]
+    assert sizes == [n * (CHUNK + HEADER_BYTES) for n in (1, 2, 4, 3)]
     tier.close()
     again = open_tier(tiers, tmp_path)  # every record's header and digest made it to disk
     outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
@@ -315,3 +316,17 @@ def test_a_filesystem_that_cannot_allocate_ahead_still_stores(tmp_path, tiers, m
     assert sum("cannot allocate ahead" in r.message for r in caplog.records) == 1
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert tier.read_into(NS, key(2), out) and np.array_equal(out, chunk(2))
+
+
+def test_a_disk_too_full_to_allocate_new_records_stores_nothing_of_the_batch(tmp_path, tiers, monkeypatch):
+    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * (CHUNK + HEADER_BYTES))
+    tier = open_tier(tiers, tmp_path)
+
+    def full(fd, start, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(5)]) == [False] * 5
+    stats = tier.stats()
+    assert stats["write_errors"] == 1 and stats["admitting"] is False and tier.keys(NS) == []
+    assert os.path.getsize(slab_file(tmp_path)) == 0
