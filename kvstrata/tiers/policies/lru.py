@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import islice
 
 from kvstrata.tiers.policies.base import EvictionPolicy
 
@@ -24,7 +25,24 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(slot, None)
 
     def candidates(self) -> Iterator[int]:
-        return iter(list(self._order))
+        """The oldest first, read in doubling windows from the front.
+
+        Why not a copy of the whole order: a pool asks once per eviction and almost always
+        takes the first slot, so copying all of them made each eviction cost O(slots)
+        (a disk tier of a million records: milliseconds per chunk stored). Callers may
+        remove what they were given while iterating; nothing is yielded twice.
+        """
+        given: set[int] = set()
+        size = 8
+        while True:
+            window = list(islice(self._order, size))
+            for slot in window:
+                if slot not in given:
+                    given.add(slot)
+                    yield slot
+            if len(window) < size:
+                return
+            size *= 2
 
     def __len__(self) -> int:
         return len(self._order)
