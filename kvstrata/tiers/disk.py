@@ -57,6 +57,9 @@ MAX_RUN = 256
 READ_RUN_BYTES = 8 << 20
 WRITE_RUN_BYTES = 32 << 20
 FIRST_WRITE_RUN_BYTES = 1 << 20
+# A slab's file grows by a quarter of its size, within these bounds (and the capacity).
+GROW_MIN_BYTES = 1 << 30
+GROW_MAX_BYTES = 8 << 30
 # Threads hashing runs for the I/O threads (xxhash releases the GIL): one hashes at
 # ~10 GB/s, several times what a disk moves; two keep an I/O thread from queueing
 # behind another's run.
@@ -284,8 +287,7 @@ class DiskTier:
             if not todo:
                 return stored
             todo.sort(key=lambda item: item[1])
-            grow_from, grow_to = slab.file_bytes, slab.offset(todo[-1][1]) + slab.record_bytes
-            slab.file_bytes = max(grow_from, grow_to)
+            grow_from, grow_to = self._reserve(slab, slab.offset(todo[-1][1]) + slab.record_bytes)
         headers, bodies, bounced = slab.stage([payloads[i] for i, _ in todo], "write")
 
         def seal(start: int, end: int) -> None:
@@ -490,8 +492,30 @@ class DiskTier:
 
     # --- internals --------------------------------------------------------------------
 
+    def _reserve(self, slab: _Slab, end: int) -> tuple[int, int]:
+        """Grow the slab's reserved records to cover `end` and a step beyond; the range to allocate.
+
+        Reserved records count against `capacity` (they are blocks on disk) and wait on
+        the free list. Growing ahead in steps of 1/4 of the slab (`GROW_MIN_BYTES` to
+        `GROW_MAX_BYTES`) keeps allocations rare: each one waits for every write in
+        flight to the file (measured: up to 73 ms per allocation at 32 MiB chunks).
+        Callers hold the lock.
+        """
+        start = slab.file_bytes
+        if end <= start:
+            return start, start
+        step = min(max(GROW_MIN_BYTES, start // 4), GROW_MAX_BYTES)
+        spare = (self.capacity - self._allocated) // slab.record_bytes
+        extra = min(spare, max(0, (start + step - end) // slab.record_bytes))
+        first = slab.num_records
+        slab.num_records += extra
+        self._allocated += extra * slab.record_bytes
+        slab.free.extend(range(first + extra - 1, first - 1, -1))  # handed out lowest first
+        slab.file_bytes = slab.offset(slab.num_records)
+        return start, slab.file_bytes
+
     def _grow(self, slab: _Slab, start: int, end: int) -> None:
-        """Allocate new records' blocks before they are written.
+        """Allocate reserved records' blocks before they are written.
 
         Why: ext4 serialises O_DIRECT writes that extend a file (4 threads writing new
         records measured 1.91 GB/s), while writes into allocated blocks run side by side

@@ -69,8 +69,9 @@ def test_a_restarted_tier_serves_what_is_on_disk(tmp_path, tiers, direct_io):
     assert sorted(second.keys(NS)) == sorted(key(i) for i in range(4))
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert second.read_into(NS, key(2), out) and np.array_equal(out, chunk(2))
-    assert second.write(NS, key(10), chunk(10))  # and keeps admitting within capacity
-    assert second.stats()["allocated"] == 5 * (HEADER_BYTES + CHUNK)
+    size = os.path.getsize(slab_file(tmp_path))
+    assert second.write(NS, key(10), chunk(10))  # and keeps admitting, into records it reserved
+    assert os.path.getsize(slab_file(tmp_path)) == size == second.stats()["allocated"] <= 64 * CHUNK
 
 
 def slab_file(tmp_path):
@@ -133,7 +134,8 @@ def test_capacity_holds_and_lru_chunks_go_first(tmp_path, tiers):
     assert not tier.read_into(NS, key(1), np.zeros(CHUNK, dtype=np.uint8))
 
 
-def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers):
+def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers, monkeypatch):
+    monkeypatch.setattr(disk_module, "GROW_MIN_BYTES", HEADER_BYTES + CHUNK)  # grow one record at a time
     tier = open_tier(tiers, tmp_path, capacity=1 << 30, direct_io=False)
     assert tier.write(NS, key(0), chunk(0))
     limit = os.path.getsize(slab_file(tmp_path)) + CHUNK  # room for less than one more record
@@ -291,17 +293,25 @@ def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monk
     assert not tier.read_into(NS, key(2), out)
 
 
-def test_new_records_are_allocated_before_they_are_written(tmp_path, tiers, monkeypatch):
+def test_a_slab_grows_ahead_in_steps_allocated_before_they_are_written(tmp_path, tiers, monkeypatch):
+    record = CHUNK + HEADER_BYTES
+    monkeypatch.setattr(disk_module, "GROW_MIN_BYTES", 4 * record)
     grown = []
     real_fallocate = os.posix_fallocate
     monkeypatch.setattr(os, "posix_fallocate", lambda fd, start, size: (grown.append((start, size)), real_fallocate(fd, start, size))[1])
-    tier = open_tier(tiers, tmp_path)
-    record = CHUNK + HEADER_BYTES
+    tier = open_tier(tiers, tmp_path, capacity=10 * record)
     assert all(tier.write_many(NS, [(key(i), chunk(i)) for i in range(3)]))
-    assert tier.write(NS, key(3), chunk(3))
-    assert tier.remove(NS, key(1)) and tier.write(NS, key(4), chunk(4))  # reuses a record: nothing to grow
-    assert grown == [(0, 3 * record), (3 * record, record)]
-    assert os.path.getsize(slab_file(tmp_path)) == 4 * record
+    assert tier.write(NS, key(3), chunk(3))  # a reserved record: nothing to grow
+    assert grown == [(0, 4 * record)] and tier.stats()["allocated"] == 4 * record
+    assert tier.write(NS, key(4), chunk(4))
+    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(5, 10)]) == [True] * 5
+    assert grown == [(0, 4 * record), (4 * record, 4 * record), (8 * record, 2 * record)]  # the last step: what capacity allows
+    assert os.path.getsize(slab_file(tmp_path)) == tier.stats()["allocated"] == 10 * record
+    tier.close()
+    again = open_tier(tiers, tmp_path, capacity=10 * record)
+    outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in range(10)]
+    assert all(again.read_many(NS, [(key(i), outs[i]) for i in range(10)]))
+    assert all(np.array_equal(outs[i], chunk(i)) for i in range(10))
 
 
 def test_a_filesystem_that_cannot_allocate_ahead_still_stores(tmp_path, tiers, monkeypatch, caplog):
