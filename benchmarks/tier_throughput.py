@@ -314,8 +314,9 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int) -> No
               f"medians of {rounds} interleaved rounds; GB/s, then ratios")  # fmt: skip
         print("  cold: writes into new files (kvstrata: a new slab; vLLM: every store creates its file)")
         print("  warm: writes over blocks written before (kvstrata: records freed by eviction)")
+        print("  w/vllm: kvstrata cold vs vLLM; warm/vllm: a running kvstrata tier vs vLLM, whose stores always create files")
         columns = ["kv cold", "kv warm", "kv read", "raw cold", "raw warm", "raw read", "vllm w", "vllm r",
-                   "cold/raw", "warm/raw", "read/raw", "w/vllm", "r/vllm"]  # fmt: skip
+                   "cold/raw", "warm/raw", "read/raw", "w/vllm", "warm/vllm", "r/vllm"]  # fmt: skip
         print(f"{'chunk':>9} " + " ".join(f"{c:>8}" for c in columns))
         for size_kib in SIZES_KIB:
             chunk = size_kib * 1024
@@ -344,7 +345,7 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int) -> No
             kc, kw, kr = med["kvstrata"]
             rc, rw, rr = med["raw"]
             vw, vr = med["vllm"] or [float("nan")] * 2
-            figures = [kc, kw, kr, rc, rw, rr, vw, vr, kc / rc, kw / rw, kr / rr, kc / vw, kr / vr]
+            figures = [kc, kw, kr, rc, rw, rr, vw, vr, kc / rc, kw / rw, kr / rr, kc / vw, kw / vw, kr / vr]
             print(
                 f"{size_kib:>6}KiB " + " ".join(f"{f:>8.2f}" for f in figures)
                 + ("" if direct else "  (buffered: no O_DIRECT here)")

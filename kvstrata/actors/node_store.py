@@ -591,9 +591,9 @@ class NodeStore:
     def _submit_batches(self, job: Callable, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         """Split I/O into contiguous batches (neighbouring records share a call) over `io_threads`.
 
-        A batch moves at most `DISK_JOB_BYTES`: each thread then checksums a little and
-        goes back to the disk, instead of all of them checksumming a whole share under the
-        GIL before the first byte moves, and the first promoted chunks are ready sooner.
+        A batch moves at most `DISK_JOB_BYTES`, so the first promoted chunks are ready
+        before a request's last ones are read. (Checksums are the disk tier's digest
+        threads' work, one run at a time, while the I/O thread moves the next run.)
         """
         if not items:
             return
