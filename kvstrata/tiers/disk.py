@@ -127,9 +127,13 @@ class _Slab:
         self.record_bytes = HEADER_BYTES + align_up(payload_bytes)
         self.policy = policy
         self.fd, self.direct = _open(path, direct_io)
+        # Records [0, num_records) have been handed out at least once; the file holds
+        # reserved_end records (those beyond num_records are reserved: allocated, never used).
         # A record cut short by a crash at the end of the file still counts: its read fails.
-        self.num_records = -(-os.fstat(self.fd).st_size // self.record_bytes)
-        self.file_bytes = self.num_records * self.record_bytes  # allocated in the file so far
+        self.reserved_end = -(-os.fstat(self.fd).st_size // self.record_bytes)
+        self.num_records = self.reserved_end
+        self.to_grow: list[tuple[int, int]] = []  # byte ranges reserved, not yet allocated
+        self.growing = 0  # allocations in flight (outside the lock)
         self.preallocate = True  # until the filesystem says it cannot
         self.free: list[int] = []
         self.index: dict[bytes, int] = {}
@@ -287,7 +291,8 @@ class DiskTier:
             if not todo:
                 return stored
             todo.sort(key=lambda item: item[1])
-            grow_from, grow_to = self._reserve(slab, slab.offset(todo[-1][1]) + slab.record_bytes)
+            to_grow, slab.to_grow = slab.to_grow, []
+            slab.growing += bool(to_grow)
         headers, bodies, bounced = slab.stage([payloads[i] for i, _ in todo], "write")
 
         def seal(start: int, end: int) -> None:
@@ -312,12 +317,12 @@ class DiskTier:
         failed: set[int] = set()
         error: OSError | None = None
         try:
-            if grow_to > grow_from:
-                try:
-                    self._grow(slab, grow_from, grow_to)
-                except OSError as exc:  # the disk is full: nothing of this batch is written
-                    error = exc
-                    failed.update(range(len(todo)))
+            try:
+                for start, end in to_grow:
+                    self._grow(slab, start, end)
+            except OSError as exc:  # the disk is full: nothing of this batch is written
+                error = exc
+                failed.update(range(len(todo)))
             for n_run, (start, end) in enumerate(runs):
                 if failed:  # the disk is full or failing: the rest of the batch is not written
                     failed.update(range(start, end))
@@ -338,6 +343,7 @@ class DiskTier:
         finally:
             _wait_all(sealed)  # nothing touches the staging buffers once we return
         with self._lock:
+            slab.growing -= bool(to_grow)
             for n, (i, record) in enumerate(todo):
                 del slab.busy[record]
                 if n in failed:
@@ -492,27 +498,45 @@ class DiskTier:
 
     # --- internals --------------------------------------------------------------------
 
-    def _reserve(self, slab: _Slab, end: int) -> tuple[int, int]:
-        """Grow the slab's reserved records to cover `end` and a step beyond; the range to allocate.
+    def _reserve(self, slab: _Slab) -> bool:
+        """Reserve the slab's next records on disk: a quarter of its size, within capacity.
 
-        Reserved records count against `capacity` (they are blocks on disk) and wait on
-        the free list. Growing ahead in steps of 1/4 of the slab (`GROW_MIN_BYTES` to
-        `GROW_MAX_BYTES`) keeps allocations rare: each one waits for every write in
-        flight to the file (measured: up to 73 ms per allocation at 32 MiB chunks).
-        Callers hold the lock.
+        Reserved records count against `capacity` (they are blocks on disk). Growing
+        ahead in steps of 1/4 of the slab (`GROW_MIN_BYTES` to `GROW_MAX_BYTES`) keeps
+        allocations rare: each one waits for every write in flight to the file (measured:
+        up to 73 ms per allocation at 32 MiB chunks). Another slab's unused reservation
+        is given back before this one is refused. Callers hold the lock.
         """
-        start = slab.file_bytes
-        if end <= start:
-            return start, start
-        step = min(max(GROW_MIN_BYTES, start // 4), GROW_MAX_BYTES)
+        if self._allocated + slab.record_bytes > self.capacity:
+            self._reclaim_reserved(slab)
         spare = (self.capacity - self._allocated) // slab.record_bytes
-        extra = min(spare, max(0, (start + step - end) // slab.record_bytes))
-        first = slab.num_records
-        slab.num_records += extra
+        if spare < 1:
+            return False
+        start = slab.offset(slab.reserved_end)
+        step = min(max(GROW_MIN_BYTES, start // 4), GROW_MAX_BYTES)
+        extra = min(spare, max(1, step // slab.record_bytes))
+        slab.reserved_end += extra
         self._allocated += extra * slab.record_bytes
-        slab.free.extend(range(first + extra - 1, first - 1, -1))  # handed out lowest first
-        slab.file_bytes = slab.offset(slab.num_records)
-        return start, slab.file_bytes
+        slab.to_grow.append((start, slab.offset(slab.reserved_end)))
+        return True
+
+    def _reclaim_reserved(self, asking: _Slab) -> None:
+        """Give back the never-used records other slabs reserved (truncating their files)."""
+        for slab in self._slabs.values():
+            unused = slab.reserved_end - slab.num_records
+            if slab is asking or unused <= 0 or slab.growing:
+                continue
+            try:
+                os.ftruncate(slab.fd, slab.offset(slab.num_records))
+            except OSError as exc:
+                logger.warning("kvstrata disk tier: could not give back reserved space of %s: %s", slab.path, exc)
+                continue
+            slab.reserved_end = slab.num_records
+            self._allocated -= unused * slab.record_bytes
+            logger.info(
+                "kvstrata disk tier: %d reserved records of namespace %s given back for namespace %s",
+                unused, slab.namespace, asking.namespace,
+            )  # fmt: skip
 
     def _grow(self, slab: _Slab, start: int, end: int) -> None:
         """Allocate reserved records' blocks before they are written.
@@ -556,10 +580,9 @@ class DiskTier:
     def _allocate(self, slab: _Slab) -> int | None:
         if slab.free:
             return slab.free.pop()
-        if self._allocated + slab.record_bytes <= self.capacity:
+        if slab.num_records < slab.reserved_end or self._reserve(slab):
             record = slab.num_records
             slab.num_records += 1
-            self._allocated += slab.record_bytes
             return record
         for record in slab.policy.candidates():
             if record in slab.busy:
@@ -596,7 +619,9 @@ class DiskTier:
                 continue
             slab = self._slab(namespace, int(size))
             header = _aligned_buffer(HEADER_BYTES)
-            for record in range(slab.num_records):
+            empty = []
+            last = -1
+            for record in range(slab.reserved_end):
                 try:
                     os.preadv(slab.fd, [header], slab.offset(record))
                 except OSError:
@@ -604,12 +629,15 @@ class DiskTier:
                 else:
                     parsed = RecordHeader.unpack(memoryview(header))
                 if parsed is None or parsed.namespace != namespace or parsed.key in slab.index:
-                    slab.free.append(record)
+                    empty.append(record)
                     continue
+                last = record
                 slab.index[parsed.key] = record
                 slab.key_of[record] = parsed.key
                 slab.positions.add(parsed.key)
                 slab.policy.add(record)
-            self._allocated += slab.num_records * slab.record_bytes
+            slab.num_records = last + 1  # the empty records after the last chunk stay reserved
+            slab.free = [record for record in empty if record < slab.num_records]
+            self._allocated += slab.reserved_end * slab.record_bytes
             if slab.index:
                 logger.info("kvstrata disk tier: recovered %d chunks of namespace %s from %s", len(slab.index), namespace, path)

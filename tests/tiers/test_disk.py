@@ -340,3 +340,21 @@ def test_a_disk_too_full_to_allocate_new_records_stores_nothing_of_the_batch(tmp
     stats = tier.stats()
     assert stats["write_errors"] == 1 and stats["admitting"] is False and tier.keys(NS) == []
     assert os.path.getsize(slab_file(tmp_path)) == 0
+
+
+def test_a_namespace_gets_room_from_another_ones_unused_reservation(tmp_path, tiers, caplog):
+    record = CHUNK + HEADER_BYTES
+    tier = open_tier(tiers, tmp_path, capacity=10 * record)
+    assert tier.write("model-a", key(0), chunk(0))  # reserves what capacity allows for model-a
+    assert tier.stats()["allocated"] == 10 * record
+    with caplog.at_level("INFO", logger="kvstrata.tiers.disk"):
+        assert all(tier.write_many("model-b", [(key(i), chunk(i)) for i in range(1, 6)]))
+    assert sum("given back for namespace model-b" in r.message for r in caplog.records) == 1
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.slab")) == tier.stats()["allocated"] <= 10 * record
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert tier.read_into("model-a", key(0), out) and np.array_equal(out, chunk(0))
+    assert tier.read_into("model-b", key(5), out) and np.array_equal(out, chunk(5))
+    tier.close()
+    again = open_tier(tiers, tmp_path, capacity=10 * record)  # what is on disk is what was counted
+    assert again.stats()["allocated"] == sum(p.stat().st_size for p in tmp_path.glob("*.slab"))
+    assert again.read_into("model-a", key(0), out) and np.array_equal(out, chunk(0))
