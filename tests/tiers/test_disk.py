@@ -358,3 +358,20 @@ def test_a_namespace_gets_room_from_another_ones_unused_reservation(tmp_path, ti
     again = open_tier(tiers, tmp_path, capacity=10 * record)  # what is on disk is what was counted
     assert again.stats()["allocated"] == sum(p.stat().st_size for p in tmp_path.glob("*.slab"))
     assert again.read_into("model-a", key(0), out) and np.array_equal(out, chunk(0))
+
+
+def test_a_failure_while_sealing_gives_every_record_back(tmp_path, tiers, monkeypatch):
+    record = CHUNK + HEADER_BYTES
+    tier = open_tier(tiers, tmp_path, capacity=4 * record)
+
+    def broken(namespace, key, payload):
+        raise RuntimeError("digest failed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(disk_module, "chunk_digest", broken)
+        with pytest.raises(RuntimeError, match="digest failed"):
+            tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)])
+    assert tier.keys(NS) == []
+    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(4, 8)]) == [True] * 4  # all 4 records usable again
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert tier.read_into(NS, key(7), out) and np.array_equal(out, chunk(7))
