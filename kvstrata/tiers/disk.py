@@ -428,7 +428,7 @@ class DiskTier:
                 else:
                     corrupt.add(n)
 
-        checks: list[Future] = []
+        checks: list[tuple[int, int, Future]] = []
         try:
             for start, end in _runs([record for _, record in todo], self._per_run(slab, READ_RUN_BYTES)):
                 iovecs = []
@@ -443,9 +443,14 @@ class DiskTier:
                 # A record cut short (a torn tail) fails alone, not with its whole run.
                 for n in range(start + got // slab.record_bytes, end):
                     errors[n] = reason
-                checks.append(self._digests.submit(verify, start, end))
+                checks.append((start, end, self._digests.submit(verify, start, end)))
         finally:
-            _wait_all(checks)  # nothing touches the buffers once we return
+            _wait_all_quietly([check for _, _, check in checks])  # nothing touches the buffers once we return
+        for start, end, check in checks:
+            if check.exception() is not None:  # never served unverified
+                for n in range(start, end):
+                    ok[todo[n][0]] = False
+                    errors.setdefault(n, f"not verified ({check.exception()!r})")
         dropped = []
         with self._lock:
             for n, (i, record) in enumerate(todo):

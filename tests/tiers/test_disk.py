@@ -375,3 +375,22 @@ def test_a_failure_while_sealing_gives_every_record_back(tmp_path, tiers, monkey
     assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(4, 8)]) == [True] * 4  # all 4 records usable again
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert tier.read_into(NS, key(7), out) and np.array_equal(out, chunk(7))
+
+
+def test_a_verification_that_fails_to_run_is_a_miss_not_a_crash(tmp_path, tiers, monkeypatch, caplog):
+    from kvstrata.tiers.records import RecordHeader
+
+    tier = open_tier(tiers, tmp_path)
+    assert tier.write(NS, key(1), chunk(1))
+
+    def broken(self, namespace, key, payload):
+        raise RuntimeError("verifier broke")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(RecordHeader, "matches", broken)
+        out = np.zeros(CHUNK, dtype=np.uint8)
+        assert tier.read_many(NS, [(key(1), out)]) == [False]
+    assert "not verified" in caplog.text and tier.stats()["read_errors"] == 1
+    assert not tier.contains(NS, key(1))
+    assert tier.write(NS, key(1), chunk(1))  # its record is free again
+    assert tier.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
