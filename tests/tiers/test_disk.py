@@ -74,6 +74,19 @@ def test_a_restarted_tier_serves_what_is_on_disk(tmp_path, tiers, direct_io):
     assert os.path.getsize(slab_file(tmp_path)) == size == second.stats()["allocated"] <= 64 * CHUNK
 
 
+def call_sizes(monkeypatch, name: str) -> list[int]:
+    """Bytes each os.<name> (preadv or pwritev) call moves from now on."""
+    sizes: list[int] = []
+    real = getattr(os, name)
+
+    def counted(fd, buffers, offset):
+        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, name, counted)
+    return sizes
+
+
 def slab_file(tmp_path):
     (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".slab"]
     return path
@@ -232,14 +245,7 @@ def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path
     tier = open_tier(tiers, tmp_path)
     keys = [key(i) for i in range(10)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
-    sizes = []
-    real_preadv = os.preadv
-
-    def counted(fd, buffers, offset):
-        sizes.append(sum(memoryview(b).nbytes for b in buffers))
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", counted)
+    sizes = call_sizes(monkeypatch, "preadv")
     outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
     assert all(tier.read_many(NS, list(zip(keys, outs))))
     assert sizes == [3 * (CHUNK + HEADER_BYTES)] * 3 + [CHUNK + HEADER_BYTES]
@@ -252,14 +258,7 @@ def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verifie
     monkeypatch.setattr(disk_module, "FIRST_WRITE_RUN_BYTES", CHUNK + HEADER_BYTES)
     monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 4 * (CHUNK + HEADER_BYTES))
     tier = open_tier(tiers, tmp_path)
-    sizes = []
-    real_pwritev = os.pwritev
-
-    def counted(fd, buffers, offset):
-        sizes.append(sum(memoryview(b).nbytes for b in buffers))
-        return real_pwritev(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "pwritev", counted)
+    sizes = call_sizes(monkeypatch, "pwritev")
     keys = [key(i) for i in range(10)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
     assert sizes == [n * (CHUNK + HEADER_BYTES) for n in (1, 2, 4, 3)]
