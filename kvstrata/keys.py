@@ -44,6 +44,10 @@ def align_up(value: int, alignment: int = SLOT_ALIGNMENT) -> int:
     return -(-value // alignment) * alignment
 
 
+def align_down(value: int, alignment: int = SLOT_ALIGNMENT) -> int:
+    return value // alignment * alignment
+
+
 @dataclass(frozen=True)
 class Layout:
     """Everything that decides whether two engines' KV bytes are interchangeable."""

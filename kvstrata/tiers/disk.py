@@ -40,10 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.keys import SLOT_ALIGNMENT, align_up, key_name
+from kvstrata.keys import SLOT_ALIGNMENT, align_down, align_up, key_name
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
 from kvstrata.tiers.positions import Positions
-from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest
+from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest, payload_hasher
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ MAX_RUN = 256
 # disk: reads went from 1.5-1.8 to 2.0-2.4 GB/s at 1-8 MiB chunks, rotated A/B rounds),
 # and the digests of the next run are computed while this one is on its way.
 READ_RUN_BYTES = 8 << 20
+# A batch's last reads halve down to about this size: the I/O thread waits for the digest
+# of its last read before it takes its next job, and that digest should be short
+# (measured at 32 MiB chunks: waiting for whole-record digests cost ~10% of read speed).
+LAST_READ_BYTES = 1 << 20
 WRITE_RUN_BYTES = 32 << 20
 FIRST_WRITE_RUN_BYTES = 1 << 20
 # A slab's file grows by a quarter of its size, within these bounds (and the capacity).
@@ -103,6 +107,41 @@ def _runs(records: list[int], max_records: int = MAX_RUN, first_records: int | N
         start = end
         limit = min(2 * limit, max_records)
     return runs
+
+
+Segment = tuple[int, int, int]  # (index in the batch, first byte, end byte) of one record
+
+
+def _read_pieces(records: list[int], record_bytes: int, piece_bytes: int, last_bytes: int) -> list[list[Segment]]:
+    """How to read sorted `records`: contiguous byte ranges of at most `piece_bytes` (and
+    `MAX_RUN` records), each given as the segments of the records it covers.
+
+    A range may end inside a record (its digest is then fed piece by piece), and the last
+    ranges halve down to `last_bytes`, so the digest left to compute after the last read
+    is short. Every boundary stays 4 KiB aligned, as O_DIRECT requires.
+    """
+    pieces: list[list[Segment]] = []
+    remaining = len(records) * record_bytes
+    n, first = 0, 0  # the next byte to read: `first` of record n
+    while n < len(records):
+        size = remaining if remaining < 2 * last_bytes else max(last_bytes, align_down(remaining // 2))
+        size = min(size, piece_bytes)
+        piece: list[Segment] = []
+        while size and n < len(records) and len(piece) < MAX_RUN:
+            if piece and records[n] != records[n - 1] + 1:
+                break  # not a neighbour on disk: the next range starts there
+            end = min(record_bytes, first + size)
+            piece.append((n, first, end))
+            size -= end - first
+            remaining -= end - first
+            n, first = (n + 1, 0) if end == record_bytes else (n, end)
+        pieces.append(piece)
+    return pieces
+
+
+def _body_span(first: int, end: int) -> slice:
+    """The bytes of a record's body that its record bytes [first, end) hold."""
+    return slice(max(first - HEADER_BYTES, 0), max(end - HEADER_BYTES, 0))
 
 
 def _wait_all(futures: list[Future]) -> None:
@@ -389,9 +428,10 @@ class DiskTier:
     def read_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
         """Read and verify chunks into their buffers; per chunk, whether it is there now.
 
-        Neighbouring records are read with one `preadv` of up to `READ_RUN_BYTES`. A chunk
-        that fails (absent, unreadable, corrupt) is a miss; a failed one is dropped from the
-        index. The buffer of a failed chunk holds garbage and must not be used.
+        Neighbouring records are read in contiguous pieces of up to `READ_RUN_BYTES` (a piece
+        may end inside a record), each verified on the digest threads while the next one is
+        read. A chunk that fails (absent, unreadable, corrupt) is a miss; a failed one is
+        dropped from the index. The buffer of a failed chunk holds garbage and must not be used.
         """
         outs = [out.view(np.uint8).reshape(-1) for _, out in items]
         ok = [False] * len(items)
@@ -413,46 +453,73 @@ class DiskTier:
             return ok
         todo.sort(key=lambda item: item[1])
         headers, bodies, bounced = slab.stage([outs[i] for i, _ in todo], "read")
-        errors: dict[int, str] = {}
+        errors: dict[int, str] = {}  # written before the verification of the piece that failed is queued
         corrupt: set[int] = set()
+        verified: set[int] = set()
+        digests: dict[int, tuple[bytes, object]] = {}  # record -> (digest on disk, digest so far)
 
-        def verify(start: int, end: int) -> None:
-            for n in range(start, end):
-                if n in errors:
-                    continue
-                i = todo[n][0]
-                parsed = RecordHeader.unpack(headers[n])
-                payload = bodies[n][: slab.payload_bytes]
-                if parsed is not None and parsed.matches(namespace, items[i][0], payload):
-                    ok[i] = True
+        def verify(piece: list[Segment], previous: Future | None) -> None:
+            """Check one piece's records as far as it reaches; a record is good at its last byte."""
+            if previous is not None:
+                # The pieces of a record are hashed in order. The previous piece was queued
+                # first (the pool is FIFO), so it is running or done: this wait ends.
+                previous.exception()
+            try:
+                for n, first, end in piece:
+                    if n in errors or n in corrupt:
+                        continue
+                    key = items[todo[n][0]][0]
+                    if first == 0:
+                        parsed = RecordHeader.unpack(headers[n])
+                        if parsed is None or not parsed.describes(namespace, key, slab.payload_bytes):
+                            corrupt.add(n)
+                            continue
+                        digests[n] = (parsed.digest, payload_hasher(namespace, key))
+                    expected, hasher = digests[n]
+                    span = _body_span(first, end)
+                    if span.start < slab.payload_bytes:  # the padding after the payload is not hashed
+                        hasher.update(bodies[n][span.start : min(span.stop, slab.payload_bytes)])
+                    if end < slab.record_bytes:
+                        continue
+                    del digests[n]
+                    if hasher.digest() != expected:
+                        corrupt.add(n)
+                        continue
                     if bounced[n]:
-                        outs[i][: slab.payload_bytes] = payload
-                else:
-                    corrupt.add(n)
+                        outs[todo[n][0]][: slab.payload_bytes] = bodies[n][: slab.payload_bytes]
+                    verified.add(n)
+            except Exception as exc:  # noqa: BLE001 - never served unverified: a miss, logged below
+                for n, _, _ in piece:
+                    errors.setdefault(n, f"not verified ({exc!r})")
 
-        checks: list[tuple[int, int, Future]] = []
+        checks: list[Future] = []
         try:
-            for start, end in _runs([record for _, record in todo], self._per_run(slab, READ_RUN_BYTES)):
+            pieces = _read_pieces([record for _, record in todo], slab.record_bytes, READ_RUN_BYTES, LAST_READ_BYTES)
+            for piece in pieces:
                 iovecs = []
-                for n in range(start, end):
-                    iovecs += [headers[n], memoryview(bodies[n])]
+                for n, first, end in piece:
+                    if first == 0:
+                        iovecs.append(headers[n])
+                    span = _body_span(first, end)
+                    if span.stop > span.start:
+                        iovecs.append(memoryview(bodies[n])[span])
+                n, first, _ = piece[0]
                 try:
-                    got = os.preadv(slab.fd, iovecs, slab.offset(todo[start][1]))
+                    got = os.preadv(slab.fd, iovecs, slab.offset(todo[n][1]) + first)
                 except OSError as exc:
                     got, reason = 0, exc.strerror or str(exc)
                 else:
                     reason = "short read"
-                # A record cut short (a torn tail) fails alone, not with its whole run.
-                for n in range(start + got // slab.record_bytes, end):
-                    errors[n] = reason
-                checks.append((start, end, self._digests.submit(verify, start, end)))
+                # A record cut short (a torn tail) fails alone, not with its whole piece.
+                for n, first, end in piece:
+                    got -= end - first
+                    if got < 0:
+                        errors.setdefault(n, reason)
+                checks.append(self._digests.submit(verify, piece, checks[-1] if checks else None))
         finally:
-            _wait_all_quietly([check for _, _, check in checks])  # nothing touches the buffers once we return
-        for start, end, check in checks:
-            if check.exception() is not None:  # never served unverified
-                for n in range(start, end):
-                    ok[todo[n][0]] = False
-                    errors.setdefault(n, f"not verified ({check.exception()!r})")
+            _wait_all_quietly(checks)  # nothing touches the buffers once we return
+        for n, (i, _) in enumerate(todo):
+            ok[i] = n in verified and n not in errors
         dropped = []
         with self._lock:
             for n, (i, record) in enumerate(todo):

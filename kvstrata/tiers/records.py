@@ -22,10 +22,17 @@ _HEADER = struct.Struct("<8sHHHQ16s")  # magic, version, key len, namespace len,
 VERSION = 1
 
 
-def chunk_digest(namespace: str, key: bytes, payload) -> bytes:
+def payload_hasher(namespace: str, key: bytes) -> "xxhash.xxh3_128":
+    """The digest of a chunk before its payload: fed the payload in order, in one piece or
+    several (a large record is verified piece by piece as it is read), it gives `chunk_digest`."""
     hasher = xxhash.xxh3_128()
     hasher.update(namespace.encode())
     hasher.update(key)
+    return hasher
+
+
+def chunk_digest(namespace: str, key: bytes, payload) -> bytes:
+    hasher = payload_hasher(namespace, key)
     hasher.update(memoryview(payload).cast("B"))
     return hasher.digest()
 
@@ -58,11 +65,12 @@ class RecordHeader:
             return None
         return cls(key, namespace, payload, digest)
 
+    def describes(self, namespace: str, key: bytes, payload_bytes: int) -> bool:
+        """True when this header names this chunk at this size (its digest is checked apart)."""
+        return self.key == key and self.namespace == namespace and self.payload_bytes == payload_bytes
+
     def matches(self, namespace: str, key: bytes, payload) -> bool:
         """True when this header describes exactly these payload bytes of this chunk."""
-        return (
-            self.key == key
-            and self.namespace == namespace
-            and self.payload_bytes == memoryview(payload).nbytes
-            and self.digest == chunk_digest(namespace, key, payload)
+        return self.describes(namespace, key, memoryview(payload).nbytes) and self.digest == chunk_digest(
+            namespace, key, payload
         )

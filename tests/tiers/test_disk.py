@@ -253,6 +253,51 @@ def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path
         assert np.array_equal(out, chunk(i))
 
 
+def test_reads_are_planned_as_bounded_aligned_ranges_that_shrink_at_the_end():
+    record = 5 * 4096
+    records = [0, 1, 2, 7]  # record 7 is no neighbour of record 2
+    pieces = disk_module._read_pieces(records, record, piece_bytes=8192, last_bytes=4096)
+    segments = [segment for piece in pieces for segment in piece]
+    # Every byte of every record exactly once, in order.
+    assert [n for n, _, _ in segments] == sorted(n for n, _, _ in segments)
+    for n in range(len(records)):
+        spans = [(first, end) for m, first, end in segments if m == n]
+        assert spans[0][0] == 0 and spans[-1][1] == record
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    for piece in pieces:
+        assert all(b[0] == a[0] + 1 and b[1] == 0 and a[2] == record for a, b in zip(piece, piece[1:]))
+        assert all(records[b[0]] == records[a[0]] + 1 for a, b in zip(piece, piece[1:])), "one contiguous range"
+        assert all(first % 4096 == 0 and end % 4096 == 0 for _, first, end in piece)
+    sizes = [sum(end - first for _, first, end in piece) for piece in pieces]
+    assert max(sizes) == 8192 and sizes[-3:] == [4096] * 3  # the last reads shrink: little left to hash
+
+
+def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, monkeypatch, direct_io):
+    """Records bigger than READ_RUN_BYTES are read in pieces and hashed as each piece lands:
+    every byte still counts, wherever a flipped byte or a torn end falls."""
+    record = CHUNK + HEADER_BYTES
+    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 8192)
+    monkeypatch.setattr(disk_module, "LAST_READ_BYTES", 4096)
+    tier = open_tier(tiers, tmp_path, direct_io=direct_io)
+    keys = [key(i) for i in range(3)]
+    assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
+    sizes = call_sizes(monkeypatch, "preadv")
+    outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
+    assert all(tier.read_many(NS, list(zip(keys, outs))))
+    assert max(sizes) == 8192 and sum(sizes) == 3 * record and sizes[-1] == 4096
+    assert all(np.array_equal(out, chunk(i)) for i, out in enumerate(outs))
+    with open(slab_file(tmp_path), "r+b") as f:
+        f.seek(2 * record - 10)  # the last bytes of record 1: not in the piece holding its header
+        f.write(b"\xff\xfe\xfd")
+        f.truncate(2 * record + 8192)  # record 2 torn after its first piece
+    outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
+    assert tier.read_many(NS, list(zip(keys, outs))) == [True, False, False]
+    assert np.array_equal(outs[0], chunk(0))
+    stats = tier.stats()
+    assert stats["corrupt_chunks"] == 1 and stats["read_errors"] == 1
+    assert tier.keys(NS) == [keys[0]]
+
+
 def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verified(tmp_path, tiers, monkeypatch):
     """Writes start short and double up to WRITE_RUN_BYTES while the digest threads seal the next run."""
     monkeypatch.setattr(disk_module, "FIRST_WRITE_RUN_BYTES", CHUNK + HEADER_BYTES)
@@ -377,16 +422,14 @@ def test_a_failure_while_sealing_gives_every_record_back(tmp_path, tiers, monkey
 
 
 def test_a_verification_that_fails_to_run_is_a_miss_not_a_crash(tmp_path, tiers, monkeypatch, caplog):
-    from kvstrata.tiers.records import RecordHeader
-
     tier = open_tier(tiers, tmp_path)
     assert tier.write(NS, key(1), chunk(1))
 
-    def broken(self, namespace, key, payload):
+    def broken(namespace, key):
         raise RuntimeError("verifier broke")
 
     with monkeypatch.context() as patched:
-        patched.setattr(RecordHeader, "matches", broken)
+        patched.setattr(disk_module, "payload_hasher", broken)
         out = np.zeros(CHUNK, dtype=np.uint8)
         assert tier.read_many(NS, [(key(1), out)]) == [False]
     assert "not verified" in caplog.text and tier.stats()["read_errors"] == 1
