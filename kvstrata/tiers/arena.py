@@ -242,6 +242,7 @@ class SlotPool:
             "slots": self.num_slots,
             "slot_bytes": self.geometry.slot_bytes,
             "segments": len(self.segments),
+            "huge_page_segments": sum(segment.huge_pages for segment in self.segments),
             "resident": len(self._slot_of),
             "free": len(self._free),
             "reserved": len(self._reserved),
