@@ -16,27 +16,30 @@ I/O threads) and promoted back (read, verify, commit into the arena) through the
 store's public `step` call; the clock stops when the store reports no I/O in flight.
 Writes are measured cold (into a new slab file) and warm (into records freed by
 eviction, as in a tier that has run for a while). References, with the same thread
-count, chunk size and random bytes in distinct, touched memory:
+count, chunk size and random bytes in the same kind of memory as the arena (a
+shared-memory file in `shm_dir`, in 2 MiB pages where the kernel allows: the physical
+pieces of the memory decide how finely O_DIRECT requests are split):
   (a) raw O_DIRECT: each thread pwrite()s / pread()s chunk after chunk sequentially into
       its own file (no checksums, no metadata), cold (new files) and warm (again);
   (b) vLLM's own `fs` secondary tier I/O (`vllm.v1.kv_offload.tiering.fs.io`
       batch_store_block / batch_load_block: one file per chunk, O_DIRECT), if vLLM is
       installed; every store creates its file, so it has no warm case.
-Rounds alternate the three, in an order that rotates every round; the table shows
-medians (this VM's disk drifts by tens of percent within a minute).
+Rounds alternate the three, in an order that rotates every round, and every timed phase
+starts on a flushed disk (`os.sync()`); the table shows medians (this VM's disk drifts by
+tens of percent within a minute).
 """
 
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -44,6 +47,7 @@ from kvstrata.actors.node_store import NodeStore
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.keys import make_key
 from kvstrata.tiers.disk import HEADER_BYTES
+from kvstrata.tiers.shm import SharedMemoryFile
 
 SIZES_KIB = [256, 1024, 2048, 8192, 32768]
 
@@ -52,14 +56,26 @@ def split(items: list, parts: int) -> list[list]:
     return [items[i::parts] for i in range(parts)]
 
 
-def random_buffer(size: int, seed: int) -> mmap.mmap:
-    """Page-aligned random bytes, every page touched before any timing."""
-    buffer = mmap.mmap(-1, size)
-    np.frombuffer(buffer, dtype=np.uint8)[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-    return buffer
+@contextmanager
+def reference_memory(shm_dir: str, size: int, seed: int) -> Iterator[memoryview]:
+    """Random bytes in the same kind of memory as the arena, every page allocated before any timing."""
+    segment = SharedMemoryFile.create(os.path.join(shm_dir, f"reference-{seed}"), size)
+    try:
+        segment.array[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        with memoryview(segment.array) as view:
+            yield view
+    finally:
+        segment.close()
 
 
-def raw_o_direct(directory: str, chunk: int, count: int, threads: int) -> tuple[float, float, float]:
+def huge_page_probe(shm_dir: str) -> bool:
+    """Whether shared memory in `shm_dir` gets 2 MiB pages (the arena and the references alike)."""
+    probe = SharedMemoryFile.create(os.path.join(shm_dir, "probe"), 4 << 20)
+    probe.close()
+    return probe.huge_pages
+
+
+def raw_o_direct(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float, float]:
     """Cold write (new files), warm write (the same files again) and read, in seconds.
 
     Each thread pwrite()s / pread()s its chunks, one at a time, into its own file. Every
@@ -67,7 +83,6 @@ def raw_o_direct(directory: str, chunk: int, count: int, threads: int) -> tuple[
     one reused buffer run at about half the speed of reads into distinct memory, which
     would make the reference look slower than the disk is.
     """
-    view = memoryview(random_buffer(chunk * count, seed=2))
     paths = [os.path.join(directory, f"raw-{t}.bin") for t in range(threads)]
     per_thread = split(list(range(count)), threads)
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
@@ -88,7 +103,7 @@ def raw_o_direct(directory: str, chunk: int, count: int, threads: int) -> tuple[
         finally:
             os.close(fd)
 
-    with ThreadPoolExecutor(threads) as pool:
+    with reference_memory(shm_dir, chunk * count, seed=2) as view, ThreadPoolExecutor(threads) as pool:
 
         def timed(work: Callable[[int], None]) -> float:
             os.sync()
@@ -102,13 +117,12 @@ def raw_o_direct(directory: str, chunk: int, count: int, threads: int) -> tuple[
     return cold_s, warm_s, read_s
 
 
-def vllm_fs(directory: str, chunk: int, count: int, threads: int) -> tuple[float, float] | None:
+def vllm_fs(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float] | None:
     try:
         from vllm.v1.kv_offload.tiering.fs.io import batch_load_block, batch_store_block, probe_o_direct
     except ImportError:
         return None
     direct = probe_o_direct(directory)
-    view = memoryview(random_buffer(chunk * count, seed=1))  # random bytes, as the other two write
     paths = [os.path.join(directory, "vllm", f"{i % 256:02x}", f"chunk-{i}") for i in range(count)]
     groups = split(list(range(count)), threads)
 
@@ -118,11 +132,12 @@ def vllm_fs(directory: str, chunk: int, count: int, threads: int) -> tuple[float
     def load(indices: list[int]) -> None:
         batch_load_block([paths[i] for i in indices], view, [i * chunk for i in indices], chunk, direct)
 
-    with ThreadPoolExecutor(threads) as pool:
+    with reference_memory(shm_dir, chunk * count, seed=1) as view, ThreadPoolExecutor(threads) as pool:
         os.sync()
         start = time.perf_counter()
         list(pool.map(store, groups))
         write_s = time.perf_counter() - start
+        os.sync()
         start = time.perf_counter()
         list(pool.map(load, groups))
         read_s = time.perf_counter() - start
@@ -153,6 +168,7 @@ def cascade_and_promote(
     write_s = time.perf_counter() - start
     pool.drop_holder("bench")
     pool.purge()  # the arena forgets them; the tier keeps them
+    os.sync()
     start = time.perf_counter()
     reply = store.step(StepRequest("bench", namespace, pin=keys))
     assert len(reply.pending) == count, "every chunk should be promoted from the tier"
@@ -162,8 +178,11 @@ def cascade_and_promote(
     return write_s, read_s
 
 
-def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float, float, bool]:
-    """Cold write (into a new slab), warm write (into records the first fill left) and read.
+def kvstrata_disk(
+    directory: str, shm_dir: str, chunk: int, count: int, threads: int
+) -> tuple[float, float, float, bool, bool]:
+    """Cold write (into a new slab), warm write (into records the first fill left) and read,
+    whether the disk was opened with O_DIRECT, and whether the arena got 2 MiB pages.
 
     The disk holds one fill: the second fill evicts the first and reuses its records, as
     a tier that has been running does.
@@ -188,10 +207,12 @@ def kvstrata_disk(directory: str, shm_dir: str, chunk: int, count: int, threads:
         assert stats["promotions"] == 2 * count and stats["disk"]["corrupt_chunks"] == 0
         assert stats["disk"]["evicted"] == count, "the second fill should reuse the first one's records"
         direct = all(stats["disk"]["direct_io"].values())
+        pool = stats["pools"]["bench"]
+        huge = pool["huge_page_segments"] == pool["segments"]
     finally:
         store.close()
         shutil.rmtree(disk_dir, ignore_errors=True)
-    return cold_s, warm_s, read_s, direct
+    return cold_s, warm_s, read_s, direct, huge
 
 
 def kvstrata_object(
@@ -315,6 +336,8 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int) -> No
         print("  cold: writes into new files (kvstrata: a new slab; vLLM: every store creates its file)")
         print("  warm: writes over blocks written before (kvstrata: records freed by eviction)")
         print("  w/vllm: kvstrata cold vs vLLM; warm/vllm: a running kvstrata tier vs vLLM, whose stores always create files")
+        pages = "2 MiB pages" if huge_page_probe(shm_dir) else "4 KiB pages (no MADV_COLLAPSE here)"
+        print(f"  memory: the arena and both references use shared memory in {pages}")
         columns = ["kv cold", "kv warm", "kv read", "raw cold", "raw warm", "raw read", "vllm w", "vllm r",
                    "cold/raw", "warm/raw", "read/raw", "w/vllm", "warm/vllm", "r/vllm"]  # fmt: skip
         print(f"{'chunk':>9} " + " ".join(f"{c:>8}" for c in columns))
@@ -322,22 +345,22 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int) -> No
             chunk = size_kib * 1024
             count = max(threads, total_mib * 1024 * 1024 // chunk)
             samples: dict[str, list[tuple[float, ...]]] = {"kvstrata": [], "raw": [], "vllm": []}
-            direct = True
+            direct = huge = True
             # The disk drifts by tens of percent within a minute: alternate the three and
             # compare medians, not one shot each. The order rotates every round: the root
             # filesystem here is mounted with `discard`, so whatever runs right after another
             # measurement's files are deleted shares the disk with their discards.
             runs = {
                 "kvstrata": lambda: kvstrata_disk(directory, shm_dir, chunk, count, threads),
-                "raw": lambda: raw_o_direct(directory, chunk, count, threads),
-                "vllm": lambda: vllm_fs(directory, chunk, count, threads),
+                "raw": lambda: raw_o_direct(directory, shm_dir, chunk, count, threads),
+                "vllm": lambda: vllm_fs(directory, shm_dir, chunk, count, threads),
             }
             order = list(runs)
             for round_ in range(rounds):
                 for name in order[round_ % 3 :] + order[: round_ % 3]:
                     result = runs[name]()
                     if name == "kvstrata":
-                        *result, direct = result
+                        *result, direct, huge = result
                     if result is not None:
                         samples[name].append(tuple(result))
             gb = lambda s: chunk * count / s / 1e9  # noqa: E731
@@ -349,6 +372,7 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int) -> No
             print(
                 f"{size_kib:>6}KiB " + " ".join(f"{f:>8.2f}" for f in figures)
                 + ("" if direct else "  (buffered: no O_DIRECT here)")
+                + ("" if huge else "  (arena in 4 KiB pages)")
             )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
