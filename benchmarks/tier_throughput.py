@@ -46,7 +46,7 @@ import numpy as np
 from kvstrata.actors.node_store import NodeStore
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.keys import make_key
-from kvstrata.tiers.disk import HEADER_BYTES
+from kvstrata.tiers.disk import record_stride
 from kvstrata.tiers.shm import SharedMemoryFile
 
 SIZES_KIB = [256, 1024, 2048, 8192, 32768]
@@ -193,7 +193,7 @@ def kvstrata_disk(
             "cpu": {"capacity": chunk * (count + 4), "segment_size": 256 << 20, "shm_dir": shm_dir},
             "disk": {
                 "path": disk_dir,
-                "capacity": (HEADER_BYTES + chunk) * count,
+                "capacity": record_stride(chunk) * count,
                 "io_threads": threads,
                 "queue_depth": count,
             },

@@ -436,3 +436,53 @@ def test_a_verification_that_fails_to_run_is_a_miss_not_a_crash(tmp_path, tiers,
     assert not tier.contains(NS, key(1))
     assert tier.write(NS, key(1), chunk(1))  # its record is free again
     assert tier.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
+
+
+@pytest.fixture
+def aligned(monkeypatch):
+    """Test-sized chunks get the layout large ones get: payloads on 64 KiB boundaries."""
+    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", CHUNK)
+    return 64 << 10  # stride: the 60 KiB gap, the header and the 16 KiB payload, rounded up to 64 KiB
+
+
+def test_large_chunks_start_on_aligned_boundaries_and_survive_a_restart(tmp_path, tiers, monkeypatch, aligned, direct_io):
+    stride = 2 * aligned
+    tier = open_tier(tiers, tmp_path, capacity=4 * stride, direct_io=direct_io)
+    writes = call_sizes(monkeypatch, "pwritev")
+    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)]) == [True] * 4
+    assert writes == [HEADER_BYTES + CHUNK] * 4, "records that do not touch on disk are written one by one"
+    path = slab_file(tmp_path)
+    assert path.name.endswith(f"-{CHUNK}-a{aligned}.slab")
+    data = path.read_bytes()
+    for record in range(4):  # the write order gave key i record i
+        assert data[record * stride + aligned : record * stride + aligned + CHUNK] == chunk(record).tobytes()
+    assert tier.write(NS, key(4), chunk(4))  # full: the least recently used goes
+    assert os.path.getsize(path) == tier.stats()["allocated"] == 4 * stride
+    assert not tier.contains(NS, key(0))
+    tier.close()
+    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", 1 << 20)  # the layout comes from the file name
+    again = open_tier(tiers, tmp_path, capacity=4 * stride, direct_io=direct_io)
+    reads = call_sizes(monkeypatch, "preadv")
+    outs = {i: np.zeros(CHUNK, dtype=np.uint8) for i in range(1, 5)}
+    assert again.read_many(NS, [(key(i), out) for i, out in outs.items()]) == [True] * 4
+    assert all(size <= HEADER_BYTES + CHUNK for size in reads), "a read never spans the gap between records"
+    assert all(np.array_equal(out, chunk(i)) for i, out in outs.items())
+    with open(path, "r+b") as f:  # key 2 is still in record 2: flip a byte of its payload
+        f.seek(2 * stride + aligned + 100)
+        f.write(b"\xff" if data[2 * stride + aligned + 100] != 0xFF else b"\x00")
+    assert not again.read_into(NS, key(2), np.zeros(CHUNK, dtype=np.uint8))
+    assert again.stats()["corrupt_chunks"] == 1
+
+
+def test_a_packed_slab_written_before_keeps_serving_and_storing(tmp_path, tiers, monkeypatch):
+    """Slabs from before the aligned layout keep their name and layout; nothing is lost."""
+    first = open_tier(tiers, tmp_path)
+    assert all(first.write_many(NS, [(key(i), chunk(i)) for i in range(3)]))
+    first.close()
+    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", CHUNK)
+    again = open_tier(tiers, tmp_path)
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert again.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
+    assert again.write(NS, key(3), chunk(3))
+    assert slab_file(tmp_path).name == f"{NS}-{CHUNK}.slab"  # still the one packed slab
+    assert again.read_into(NS, key(3), out) and np.array_equal(out, chunk(3))
