@@ -11,6 +11,7 @@ import ctypes
 import logging
 import mmap
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +51,10 @@ def collapse_into_huge_pages(fd: int, size: int) -> str | None:
     file outside tmpfs or a machine short of free 2 MiB blocks keeps 4 KiB pages.
     """
     length = size // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if not length or not hasattr(os, "posix_fallocate"):  # Linux only
-        return "smaller than one huge page" if not length else "not Linux"
+    if not sys.platform.startswith("linux"):
+        return "not Linux"
+    if not length:
+        return "smaller than one huge page"
     libc = _libc()
     reservation = libc.mmap(None, length + HUGE_PAGE_BYTES, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if reservation in (None, _MAP_FAILED):
