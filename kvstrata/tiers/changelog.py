@@ -56,12 +56,15 @@ class ChangeLog:
                 return self._seq, []
             if seq > self._seq or not self._log or self._log[0][0] > seq + 1:
                 return None
+            # From the newest back to `seq`: an engine that keeps up costs its few changes,
+            # not a walk over the whole log (up to LOG_LENGTH entries) on every step.
             latest: dict[tuple[bytes, str], bool] = {}
-            for entry_seq, key, medium, present in self._log:
-                if entry_seq > seq:
-                    latest.pop((key, medium), None)
-                    latest[(key, medium)] = present
-            return self._seq, [(key, medium, present) for (key, medium), present in latest.items()]
+            for entry_seq, key, medium, present in reversed(self._log):
+                if entry_seq <= seq:
+                    break
+                latest.setdefault((key, medium), present)
+            # In the order of each entry's last change, oldest first.
+            return self._seq, [(key, medium, present) for (key, medium), present in reversed(latest.items())]
 
     def has(self, key: bytes, medium: str) -> bool:
         with self._lock:
