@@ -24,6 +24,8 @@ Invariants:
 - Digests are computed and checked on the tier's own digest threads, one run of records
   at a time, while the calling I/O thread moves the next run: the disk never waits on a
   checksum (measured: verifying on the I/O thread cost 10-15% of read and rewrite speed).
+  A read batch is settled on the digest thread that verifies its last piece
+  (`start_reads`), while its I/O thread already reads the next batch.
 
 No Ray and no vLLM in here; calls may come from several I/O threads.
 """
@@ -93,12 +95,39 @@ _scratch = threading.local()
 
 
 def _staging_buffer(name: str, size: int) -> np.ndarray:
-    """An aligned, reused staging buffer per I/O thread (headers, unaligned bodies)."""
+    """An aligned, reused staging buffer per I/O thread (headers, unaligned bodies) for
+    writes, which are done with their staging when `write_many` returns."""
     buffer = getattr(_scratch, name, None)
     if buffer is None or len(buffer) < size:
         buffer = _aligned_buffer(max(size, SLOT_ALIGNMENT))
         setattr(_scratch, name, buffer)
     return np.frombuffer(buffer, dtype=np.uint8, count=size)
+
+
+class _SpareBuffers:
+    """Aligned staging buffers lent to one read at a time.
+
+    Why not one per thread, as for writes: a read is verified on the digest threads after
+    its I/O thread has moved on to the next read, which would overwrite a per-thread
+    buffer under a verification still running.
+    """
+
+    KEEP = 8  # buffers kept for reuse; more in flight at once are left to the collector
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spare: list[mmap.mmap] = []
+
+    def take(self, size: int) -> mmap.mmap:
+        with self._lock:
+            for n, buffer in enumerate(self._spare):
+                if len(buffer) >= size:
+                    return self._spare.pop(n)
+        return _aligned_buffer(max(size, SLOT_ALIGNMENT))
+
+    def give(self, buffers: list[mmap.mmap]) -> None:
+        with self._lock:
+            self._spare.extend(buffers[: max(0, self.KEEP - len(self._spare))])
 
 
 def _runs(records: list[int], max_records: int = MAX_RUN, first_records: int | None = None) -> list[tuple[int, int]]:
@@ -211,18 +240,20 @@ class _Slab:
         """The file size that holds `records` records."""
         return records * self.stride
 
-    def stage(self, buffers: list[np.ndarray], direction: str) -> tuple[list[memoryview], list[np.ndarray], list[bool]]:
+    def stage(
+        self, buffers: list[np.ndarray], take: Callable[[str, int], np.ndarray]
+    ) -> tuple[list[memoryview], list[np.ndarray], list[bool]]:
         """Header views, record bodies and which bodies are staged, for one batch of records.
 
         A body is the caller's buffer itself when it spans the whole record body (and is
         aligned, for O_DIRECT); otherwise an aligned staging slice the caller copies
-        through (`bounced`).
+        through (`bounced`). `take(name, size)` gives the aligned staging memory.
         """
         body_bytes = self.record_bytes - HEADER_BYTES
-        header_block = memoryview(_staging_buffer(f"{direction}-headers", HEADER_BYTES * len(buffers)))
+        header_block = memoryview(take("headers", HEADER_BYTES * len(buffers)))
         headers = [header_block[n * HEADER_BYTES : (n + 1) * HEADER_BYTES] for n in range(len(buffers))]
         bounced = [b.nbytes < body_bytes or (self.direct and not _is_aligned(b)) for b in buffers]
-        staging = _staging_buffer(f"{direction}-bodies", body_bytes * sum(bounced)) if any(bounced) else None
+        staging = take("bodies", body_bytes * sum(bounced)) if any(bounced) else None
         bodies = []
         staged = 0
         for buffer, bounce in zip(buffers, bounced):
@@ -310,6 +341,7 @@ class DiskTier:
         self.on_change = on_change
         self._lock = threading.Lock()
         self._digests = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="kvstrata-disk-digest")
+        self._spare = _SpareBuffers()
         self._slabs: dict[str, _Slab] = {}
         self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
         self._allocated = 0
@@ -345,6 +377,12 @@ class DiskTier:
         with self._lock:
             slab = self._slabs.get(namespace)
             return slab is not None and key in slab.index
+
+    def present(self, namespace: str, keys: list[bytes]) -> set[bytes]:
+        """Which of these chunks the tier holds (one look under the lock for a whole request)."""
+        with self._lock:
+            slab = self._slabs.get(namespace)
+            return set() if slab is None else {key for key in keys if key in slab.index}
 
     def keys(self, namespace: str) -> list[bytes]:
         with self._lock:
@@ -398,7 +436,9 @@ class DiskTier:
         error: OSError | None = None
         sealed: list[Future] = []
         try:
-            headers, bodies, bounced = slab.stage([payloads[i] for i, _ in todo], "write")
+            headers, bodies, bounced = slab.stage(
+                [payloads[i] for i, _ in todo], lambda name, size: _staging_buffer(f"write-{name}", size)
+            )
 
             def seal(start: int, end: int) -> None:
                 for n in range(start, end):
@@ -484,13 +524,27 @@ class DiskTier:
     def read_many(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
         """Read and verify chunks into their buffers; per chunk, whether it is there now.
 
+        A chunk that fails (absent, unreadable, corrupt) is a miss; a failed one is dropped
+        from the index. The buffer of a failed chunk holds garbage and must not be used.
+        """
+        return self.start_reads(namespace, items).result()
+
+    def start_reads(self, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> Future[list[bool]]:
+        """Read chunks into their buffers on the calling thread; verify them on the digest threads.
+
+        Returns when the last read has returned, with a future of what `read_many` returns,
+        done once every piece is verified; the buffers are not to be touched before. Why:
+        an I/O thread that waited for its batch's last digests (and its caller's bookkeeping)
+        before taking the next batch left the disk idle in between (measured at 256 KiB
+        chunks, 64 MiB batches, 4 threads: 7-24 ms per thread per batch, with the disk moving
+        ~3 GB/s).
+
         Neighbouring records are read in contiguous pieces of up to `READ_RUN_BYTES` (a piece
         may end inside a record), each verified on the digest threads while the next one is
-        read. A chunk that fails (absent, unreadable, corrupt) is a miss; a failed one is
-        dropped from the index. The buffer of a failed chunk holds garbage and must not be used.
+        read.
         """
         outs = [out.view(np.uint8).reshape(-1) for _, out in items]
-        ok = [False] * len(items)
+        result: Future[list[bool]] = Future()
         todo: list[tuple[int, int]] = []  # (item index, record)
         with self._lock:
             slab = self._slabs.get(namespace)
@@ -499,6 +553,7 @@ class DiskTier:
                 if record is None:
                     continue
                 if outs[i].nbytes < slab.payload_bytes:
+                    self._unbusy(slab, [record for _, record in todo])
                     raise ValueError(
                         f"buffer of {outs[i].nbytes} bytes cannot hold chunk {key_name(key)} ({slab.payload_bytes} bytes)"
                     )
@@ -506,9 +561,16 @@ class DiskTier:
                 slab.policy.touch(record)
                 todo.append((i, record))
         if not todo:
-            return ok
+            result.set_result([False] * len(items))
+            return result
         todo.sort(key=lambda item: item[1])
-        headers, bodies, bounced = slab.stage([outs[i] for i, _ in todo], "read")
+        lent: list[mmap.mmap] = []
+
+        def take(_: str, size: int) -> np.ndarray:
+            lent.append(self._spare.take(size))
+            return np.frombuffer(lent[-1], dtype=np.uint8, count=size)
+
+        headers, bodies, bounced = slab.stage([outs[i] for i, _ in todo], take)
         errors: dict[int, str] = {}  # written before the verification of the piece that failed is queued
         corrupt: set[int] = set()
         verified: set[int] = set()
@@ -548,11 +610,18 @@ class DiskTier:
                 for n, _, _ in piece:
                     errors.setdefault(n, f"not verified ({exc!r})")
 
+        def finish() -> None:
+            """Runs once the last piece is verified (on that digest thread)."""
+            self._spare.give(lent)
+            try:
+                result.set_result(self._settle_reads(slab, items, todo, verified, corrupt, errors))
+            except BaseException as exc:  # noqa: BLE001 - the caller's future carries it
+                result.set_exception(exc)
+
         checks: list[Future] = []
         try:
             records = [record for _, record in todo]
-            pieces = _read_pieces(records, slab.record_bytes, READ_RUN_BYTES, LAST_READ_BYTES, slab.packed)
-            for piece in pieces:
+            for piece in _read_pieces(records, slab.record_bytes, READ_RUN_BYTES, LAST_READ_BYTES, slab.packed):
                 iovecs = []
                 for n, first, end in piece:
                     if first == 0:
@@ -573,27 +642,50 @@ class DiskTier:
                     if got < 0:
                         errors.setdefault(n, reason)
                 checks.append(self._digests.submit(verify, piece, checks[-1] if checks else None))
-        finally:
+        except BaseException as exc:  # a bug, not an I/O error: the records stay, the caller gets the error
             _wait_all_quietly(checks)  # nothing touches the buffers once we return
+            self._spare.give(lent)
+            with self._lock:
+                self._unbusy(slab, records)
+            result.set_exception(exc)
+            raise
+        # The pieces are chained: the last one is verified after all the others.
+        checks[-1].add_done_callback(lambda _: finish())
+        return result
+
+    def _settle_reads(
+        self,
+        slab: _Slab,
+        items: list[tuple[bytes, np.ndarray]],
+        todo: list[tuple[int, int]],
+        verified: set[int],
+        corrupt: set[int],
+        errors: dict[int, str],
+    ) -> list[bool]:
+        """Count a read batch, drop the records that failed, and say which chunks arrived."""
+        ok = [False] * len(items)
         for n, (i, _) in enumerate(todo):
             ok[i] = n in verified and n not in errors
         dropped = []
         with self._lock:
+            self._unbusy(slab, [record for _, record in todo])
             for n, (i, record) in enumerate(todo):
-                slab.busy[record] -= 1
-                if not slab.busy[record]:
-                    del slab.busy[record]
                 if ok[i]:
                     self.counters["read"] += 1
                 elif slab.index.get(items[i][0]) == record:
                     self.counters["corrupt_chunks" if n in corrupt else "read_errors"] += 1
                     self._drop(slab, items[i][0], record)
                     dropped.append(n)
+        reasons: dict[str, list[bytes]] = {}
         for n in dropped:
             key = items[todo[n][0]][0]
-            reason = f"unreadable: {errors[n]}" if n in errors else "failed its checksum"
-            logger.warning("kvstrata disk tier: chunk %s of namespace %s %s; dropped (a miss)", key_name(key), namespace, reason)
-            self._notify(namespace, key, False)
+            reasons.setdefault(f"unreadable ({errors[n]})" if n in errors else "failed their checksum", []).append(key)
+            self._notify(slab.namespace, key, False)
+        for reason, keys in reasons.items():  # one line per batch and reason, not per chunk
+            logger.warning(
+                "kvstrata disk tier: %d chunks of namespace %s %s, e.g. %s; dropped (misses)",
+                len(keys), slab.namespace, reason, key_name(keys[0]),
+            )  # fmt: skip
         return ok
 
     def remove(self, namespace: str, key: bytes) -> bool:
@@ -694,6 +786,14 @@ class DiskTier:
                 raise
             slab.preallocate = False
             logger.info("kvstrata disk tier: %s cannot allocate ahead (%s); new records are written as they come", slab.path, exc.strerror)
+
+    @staticmethod
+    def _unbusy(slab: _Slab, records: list[int]) -> None:
+        """One I/O operation on each of these records is over (callers hold the lock)."""
+        for record in records:
+            slab.busy[record] -= 1
+            if not slab.busy[record]:
+                del slab.busy[record]
 
     @staticmethod
     def _per_run(slab: _Slab, run_bytes: int) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -213,6 +215,44 @@ def test_batches_fail_chunk_by_chunk(tmp_path, tiers, direct_io):
     for i in (0, 1, 2, 4, 5):
         assert np.array_equal(outs[i], chunk(i))
     assert tier.stats()["corrupt_chunks"] == 1 and not tier.contains(NS, key(3))
+
+
+def test_the_chunks_a_batch_drops_are_logged_once(tmp_path, tiers, caplog):
+    tier = open_tier(tiers, tmp_path)
+    assert all(tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)]))
+    with open(slab_file(tmp_path), "r+b") as f:
+        for record in (1, 2):
+            f.seek(record * (HEADER_BYTES + CHUNK) + HEADER_BYTES + 7)
+            f.write(b"\xff\xfe")
+    outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in range(4)]
+    with caplog.at_level(logging.WARNING, logger=disk_module.__name__):
+        assert tier.read_many(NS, [(key(i), outs[i]) for i in range(4)]) == [True, False, False, True]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == disk_module.__name__]
+    assert "2 chunks of namespace ns0 failed their checksum" in line and tier.stats()["corrupt_chunks"] == 2
+
+
+def test_a_read_returns_to_its_thread_before_it_is_verified(tmp_path, tiers, monkeypatch):
+    """The reading thread takes its next batch while the digest threads verify the last one,
+    and a second read from that thread leaves the first one's staging memory alone."""
+    size = CHUNK - 100  # not a whole number of blocks: read through staging, copied out once verified
+    tier = open_tier(tiers, tmp_path)
+    assert all(tier.write_many(NS, [(key(i), chunk(i, size)) for i in range(4)]))
+    release = threading.Event()
+    real = disk_module.payload_hasher
+
+    def held(namespace, chunk_key):
+        assert release.wait(10)
+        return real(namespace, chunk_key)
+
+    monkeypatch.setattr(disk_module, "payload_hasher", held)
+    outs = [np.zeros(size, dtype=np.uint8) for _ in range(4)]
+    first = tier.start_reads(NS, [(key(i), outs[i]) for i in (0, 1)])
+    second = tier.start_reads(NS, [(key(i), outs[i]) for i in (2, 3)])
+    assert not first.done() and not second.done()
+    release.set()
+    assert first.result(10) == [True, True] and second.result(10) == [True, True]
+    assert all(np.array_equal(outs[i], chunk(i, size)) for i in range(4))
+    assert tier.stats()["read"] == 4
 
 
 def test_a_wrong_size_chunk_is_refused_before_anything_is_allocated(tmp_path, tiers):
@@ -486,3 +526,4 @@ def test_a_packed_slab_written_before_keeps_serving_and_storing(tmp_path, tiers,
     assert again.write(NS, key(3), chunk(3))
     assert slab_file(tmp_path).name == f"{NS}-{CHUNK}.slab"  # still the one packed slab
     assert again.read_into(NS, key(3), out) and np.array_equal(out, chunk(3))
+
