@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import resource
 import signal
@@ -21,6 +22,13 @@ NS = "ns0"
 
 def chunk(seed: int, size: int = CHUNK) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def page_aligned_chunk(seed: int) -> np.ndarray:
+    """A chunk in page-aligned memory, as arena slots are: O_DIRECT writes it without staging."""
+    aligned = np.frombuffer(mmap.mmap(-1, CHUNK), dtype=np.uint8)
+    aligned[:] = chunk(seed)
+    return aligned
 
 
 @pytest.fixture(params=[True, False], ids=["direct", "buffered"])
@@ -489,8 +497,10 @@ def test_large_chunks_start_on_aligned_boundaries_and_survive_a_restart(tmp_path
     stride = 2 * aligned
     tier = open_tier(tiers, tmp_path, capacity=4 * stride, direct_io=direct_io)
     writes = call_sizes(monkeypatch, "pwritev")
-    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)]) == [True] * 4
-    assert writes == [HEADER_BYTES + CHUNK] * 4, "records that do not touch on disk are written one by one"
+    assert tier.write_many(NS, [(key(i), page_aligned_chunk(i)) for i in range(4)]) == [True] * 4
+    # Records that do not touch on disk are written one by one; the first one's payload goes
+    # out while its digest is computed, its header after.
+    assert writes == [CHUNK, HEADER_BYTES] + [HEADER_BYTES + CHUNK] * 3
     path = slab_file(tmp_path)
     assert path.name.endswith(f"-{CHUNK}-a{aligned}.slab")
     data = path.read_bytes()
@@ -527,3 +537,26 @@ def test_a_packed_slab_written_before_keeps_serving_and_storing(tmp_path, tiers,
     assert slab_file(tmp_path).name == f"{NS}-{CHUNK}.slab"  # still the one packed slab
     assert again.read_into(NS, key(3), out) and np.array_equal(out, chunk(3))
 
+
+def test_a_crash_between_a_large_records_payload_and_its_header_is_never_served(tmp_path, tiers, monkeypatch, aligned):
+    """A batch's first large record is written payload first, header last: a crash in
+    between leaves the old header over the new payload, which fails its digest."""
+    tier = open_tier(tiers, tmp_path, capacity=2 * aligned)  # one record
+    assert tier.write(NS, key(1), chunk(1))
+    real = disk_module._write_fully
+    writes: list[int] = []
+
+    def crash_at_the_header(fd, iovecs, offset):
+        writes.append(sum(v.nbytes for v in iovecs))
+        if writes[-1] == HEADER_BYTES:
+            raise OSError(5, "the store was killed here")
+        real(fd, iovecs, offset)
+
+    monkeypatch.setattr(disk_module, "_write_fully", crash_at_the_header)
+    assert not tier.write(NS, key(2), page_aligned_chunk(2))  # key(1) was evicted for it
+    assert writes == [CHUNK, HEADER_BYTES]
+    tier.close()
+    again = open_tier(tiers, tmp_path, capacity=2 * aligned)
+    assert again.keys(NS) == [key(1)]  # the old header is still there ...
+    assert not again.read_into(NS, key(1), np.zeros(CHUNK, dtype=np.uint8))  # ... over key(2)'s payload
+    assert again.stats()["corrupt_chunks"] == 1 and again.keys(NS) == []
