@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -106,6 +106,9 @@ class NodeStore:
         self._clock = clock
         self._promoting: set[tuple[str, bytes]] = set()
         self._writes_pending = 0
+        # Notified whenever I/O in flight ends, so `wait_io` returns the moment the last
+        # job does (polling added up to a poll interval to every measurement).
+        self._io_done = threading.Condition(self._lock)
         self.disk: DiskTier | None = None
         self.disk_error: str | None = None
         self._io: ThreadPoolExecutor | None = None
@@ -225,20 +228,9 @@ class NodeStore:
             pool.touch(request.touch)
             pinned = pool.pin(request.holder, request.pin)
             self.counters["engine_pins"] += len(pinned)
-            missing: list[bytes] = []
-            pending: list[bytes] = []
-            from_disk: list[tuple[bytes, int]] = []
-            from_peer: list[tuple[bytes, int]] = []
-            from_object: list[tuple[bytes, int]] = []
-            for key in request.pin:
-                if key not in pinned:
-                    promoting = self._promote(namespace, pool, key, from_disk, from_peer, from_object)
-                    (pending if promoting else missing).append(key)
-            self._submit_batches(self._promote_job, namespace, pool, from_disk)
-            if from_peer:
-                self._peer_io.submit(self._peer_promote_job, namespace, pool, from_peer)
-            if from_object:
-                self._object_io.submit(self._object_promote_job, namespace, pool, from_object)
+            promoting = self._promote(namespace, pool, [key for key in request.pin if key not in pinned])
+            pending = [key for key in request.pin if promoting.get(key)]
+            missing = [key for key in request.pin if promoting.get(key) is False]
             reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
             # The engine keeps its stock at or under the cap; slots it is still writing
             # are not counted, so a busy engine's refill is never refused.
@@ -355,13 +347,11 @@ class NodeStore:
 
     def wait_io(self, timeout_s: float = 30.0) -> bool:
         """Wait until no disk write or promotion is in flight (tests, tools, benchmarks)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not (self._writes_pending or self._promoting or self._uploads_pending or self._scanning):
-                    return True
-            time.sleep(0.005)
-        return False
+        with self._io_done:
+            return self._io_done.wait_for(
+                lambda: not (self._writes_pending or self._promoting or self._uploads_pending or self._scanning),
+                timeout_s,
+            )
 
     def close(self) -> None:
         """Unlink the arena; disk records stay for the next store. For taking the store down on purpose."""
@@ -373,10 +363,12 @@ class NodeStore:
         if self._object_io is not None:
             self._object_io.shutdown(wait=True)
             self.object.close()
+        if self.disk is not None:
+            # Outside the lock: the reads still being verified finish their promotions
+            # (under the lock) before the disk tier's digest threads stop.
+            self.disk.close()
         with self._lock:
             self.arena.close()
-            if self.disk is not None:
-                self.disk.close()
         logger.info("kvstrata node store on node %s closed", self.node_id)
 
     # --- internals -----------------------------------------------------------------------
@@ -468,6 +460,7 @@ class NodeStore:
             with self._lock:
                 self._writes_pending -= len(items)
                 pool.unpin(CASCADE, [slot for _, slot in items])
+                self._io_done.notify_all()
 
     def _queue_uploads(
         self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], pinned: bool = True
@@ -506,6 +499,7 @@ class NodeStore:
         with self._lock:
             self._uploads_pending -= len(items)
             pool.unpin(UPLOAD, [slot for _, slot in items])
+            self._io_done.notify_all()
 
     def _refresh_object_index(self, namespace: str) -> None:
         """Sweep the bucket now and then: learn what other nodes stored, keep capacity and TTL.
@@ -550,43 +544,55 @@ class NodeStore:
             # A failed listing counts too: waiting longer would not tell the engines more.
             self._swept.update(before)
             self._scanning = False
+            self._io_done.notify_all()
 
     def _indexed(self, namespace: str) -> bool:
         """Whether this store's view of the namespace covers the object store (callers hold the lock)."""
         return self.object is None or namespace in self._swept
 
-    def _promote(
-        self,
-        namespace: str,
-        pool: SlotPool,
-        key: bytes,
-        from_disk: list[tuple[bytes, int]],
-        from_peer: list[tuple[bytes, int]],
-        from_object: list[tuple[bytes, int]],
-    ) -> bool:
-        """Start (or join) bringing a chunk into the arena: from this node's disk, else
+    def _promote(self, namespace: str, pool: SlotPool, keys: list[bytes]) -> dict[bytes, bool]:
+        """Start (or join) bringing chunks into the arena: from this node's disk, else
         another node's arena or disk, else the object store.
 
-        False if it cannot be had (the engine then answers MISS).
+        Per key, whether it is on its way (False: it cannot be had, the engine answers
+        MISS). One lookup of the disk index and one reservation for the whole request:
+        per key they cost a large request milliseconds before its first read.
         """
-        if (namespace, key) in self._promoting:
-            return True
-        if self.disk is not None and self.disk.contains(namespace, key):
-            batch = from_disk
-        elif self.peers is not None and self._log(namespace).has(key, PEER) and self.peers.can_fetch(namespace, key):
-            batch = from_peer
-        elif self.object is not None and self.object.available() and self._log(namespace).has(key, OBJECT):
-            batch = from_object
-        else:
-            return False
-        slots = pool.reserve(PROMOTE, 1)
-        if not slots:
+        on_disk = self.disk.present(namespace, keys) if self.disk is not None and keys else set()
+        log = self._log(namespace)
+        outcome: dict[bytes, bool] = {}
+        wanted: list[tuple[bytes, list[tuple[bytes, int]]]] = []
+        from_disk: list[tuple[bytes, int]] = []
+        from_peer: list[tuple[bytes, int]] = []
+        from_object: list[tuple[bytes, int]] = []
+        for key in keys:
+            if key in outcome:
+                continue
+            outcome[key] = True
+            if (namespace, key) in self._promoting:
+                continue
+            if key in on_disk:
+                wanted.append((key, from_disk))
+            elif self.peers is not None and log.has(key, PEER) and self.peers.can_fetch(namespace, key):
+                wanted.append((key, from_peer))
+            elif self.object is not None and self.object.available() and log.has(key, OBJECT):
+                wanted.append((key, from_object))
+            else:
+                outcome[key] = False
+        slots = pool.reserve(PROMOTE, len(wanted)) if wanted else []
+        for (key, batch), slot in zip(wanted, slots):
+            self._promoting.add((namespace, key))
+            batch.append((key, slot))
+        for key, _ in wanted[len(slots) :]:
             # Slots held by write-backs free up in a moment: the engine asks again (its
             # wait is bounded). Every slot pinned otherwise: a miss now beats waiting on us.
-            return pool.orphans > 0
-        self._promoting.add((namespace, key))
-        batch.append((key, slots[0]))
-        return True
+            outcome[key] = pool.orphans > 0
+        self._submit_batches(self._promote_job, namespace, pool, from_disk)
+        if from_peer:
+            self._peer_io.submit(self._peer_promote_job, namespace, pool, from_peer)
+        if from_object:
+            self._object_io.submit(self._object_promote_job, namespace, pool, from_object)
+        return outcome
 
     def _submit_batches(self, job: Callable, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         """Split I/O into contiguous batches (neighbouring records share a call) over `io_threads`.
@@ -603,12 +609,24 @@ class NodeStore:
             self._io.submit(job, namespace, pool, items[start : start + size])
 
     def _promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        """Read a batch; it is committed when its last piece is verified, on a digest thread,
+        while this I/O thread already reads the next batch."""
+
+        def finish(reads: Future[list[bool]] | None) -> None:
+            try:
+                ok = reads.result() if reads is not None else [False] * len(items)
+            except Exception:  # noqa: BLE001
+                logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
+                ok = [False] * len(items)
+            self._finish_promotions(namespace, pool, items, ok)
+
         try:
-            ok = self.disk.read_many(namespace, [(key, pool.view(slot)) for key, slot in items])
+            reads = self.disk.start_reads(namespace, [(key, pool.view(slot)) for key, slot in items])
         except Exception:  # noqa: BLE001
             logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
-            ok = [False] * len(items)
-        self._finish_promotions(namespace, pool, items, ok)
+            finish(None)
+            return
+        reads.add_done_callback(finish)
 
     def _peer_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         try:
@@ -647,6 +665,7 @@ class NodeStore:
                 else:
                     pool.release(PROMOTE, [slot])
                     self.counters["promotion_failures"] += 1
+            self._io_done.notify_all()
 
 
 def _in_ray() -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvstrata.actors import node_store as node_store_module
+from kvstrata.tiers import disk as disk_module
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import load_config
@@ -196,7 +197,7 @@ def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monke
     make_store, _ = env
     store, _ = make_store(slots=24, io_threads=2)
     calls = []
-    for name in ("write_many", "read_many"):
+    for name in ("write_many", "start_reads"):
         real = getattr(store.disk, name)
 
         def counted(namespace, items, real=real, name=name):
@@ -221,10 +222,48 @@ def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monke
     assert store.wait_io(10)
 
     writes = [n for name, n in calls if name == "write_many"]
-    reads = [n for name, n in calls if name == "read_many"]
+    reads = [n for name, n in calls if name == "start_reads"]
     assert sum(writes) == 20 and max(writes) == 3 and len(writes) == 7
     assert sum(reads) == 20 and max(reads) == 3 and len(reads) == 7
     for k in keys:
         slot = pool.lookup(k)
         assert slot is not None and np.array_equal(pool.view(slot), data[k])
     assert store.stats()["promotions"] == 20
+
+
+def test_closing_the_store_lets_promotions_being_verified_finish(env, monkeypatch):
+    """Promotions are committed on the disk tier's digest threads once verified; closing the
+    store waits for them before it takes the lock they need (no deadlock, no lost chunk)."""
+    make_store, _ = env
+    store, _ = make_store(slots=8)
+    store.register("bulk", "ns", SLOT)
+    pool = store.arena.pools["ns"]
+    slots = pool.reserve("bulk", 4)
+    keys = [key(i) for i in range(4)]
+    for i, slot in enumerate(slots):
+        pool.view(slot)[:] = i + 1
+    store.step(StepRequest("bulk", "ns", commit=list(zip(slots, keys))))
+    assert store.wait_io(10)
+    pool.drop_holder("bulk")
+    pool.purge()
+    release, closing = threading.Event(), threading.Event()
+    real_hasher, real_close = disk_module.payload_hasher, store.disk.close
+
+    def held(namespace, chunk_key):
+        assert release.wait(10)
+        return real_hasher(namespace, chunk_key)
+
+    def close_disk():
+        closing.set()
+        real_close()
+
+    monkeypatch.setattr(disk_module, "payload_hasher", held)
+    monkeypatch.setattr(store.disk, "close", close_disk)
+    assert len(store.step(StepRequest("bulk", "ns", pin=keys)).pending) == 4
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    assert closing.wait(10)  # the store is closing its disk tier with the reads unverified
+    release.set()
+    closer.join(20)
+    assert not closer.is_alive(), "closing the store deadlocked with a verification"
+    assert store.counters["promotions"] == 4 and not store._promoting
