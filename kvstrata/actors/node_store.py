@@ -273,13 +273,17 @@ class NodeStore:
             pool = self.arena.pools.get(namespace)
             if pool is None:
                 return [], [], []
+            elsewhere: list[bytes] = []
             for key in keys:
                 slot = pool.lookup(key)
                 if slot is not None:
                     found.append(key)
                     chunks.append(pool.view(slot))
-                elif self.disk is not None and self.disk.contains(namespace, key):
-                    from_disk.append(key)
+                else:
+                    elsewhere.append(key)
+            if self.disk is not None and elsewhere:
+                on_disk = self.disk.present(namespace, elsewhere)
+                from_disk = [key for key in elsewhere if key in on_disk]
             slot_bytes = pool.geometry.slot_bytes
         if from_disk:
             buffers = [np.empty(slot_bytes, dtype=np.uint8) for _ in from_disk]
@@ -434,8 +438,9 @@ class NodeStore:
         """
         disk_config = self.config.tiers.disk
         accepted: list[tuple[bytes, int]] = []
+        on_disk = self.disk.present(namespace, [key for key, _ in items])
         for key, slot in items:
-            if self.disk.contains(namespace, key):
+            if key in on_disk:
                 pass
             elif self._writes_pending + len(accepted) >= disk_config.queue_depth:
                 self.counters["disk_writes_dropped"] += 1

@@ -92,24 +92,11 @@ def _aligned_buffer(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size)
 
 
-_scratch = threading.local()
-
-
-def _staging_buffer(name: str, size: int) -> np.ndarray:
-    """An aligned, reused staging buffer per I/O thread (headers, unaligned bodies) for
-    writes, which are done with their staging when `write_many` returns."""
-    buffer = getattr(_scratch, name, None)
-    if buffer is None or len(buffer) < size:
-        buffer = _aligned_buffer(max(size, SLOT_ALIGNMENT))
-        setattr(_scratch, name, buffer)
-    return np.frombuffer(buffer, dtype=np.uint8, count=size)
-
-
 class _SpareBuffers:
-    """Aligned staging buffers lent to one read at a time.
+    """Aligned staging memory (headers, unaligned bodies) lent to one batch at a time.
 
-    Why not one per thread, as for writes: a read is verified on the digest threads after
-    its I/O thread has moved on to the next read, which would overwrite a per-thread
+    Why not one buffer per I/O thread: a read batch is verified on the digest threads after
+    its I/O thread has moved on to the next batch, which would overwrite a per-thread
     buffer under a verification still running.
     """
 
@@ -119,12 +106,16 @@ class _SpareBuffers:
         self._lock = threading.Lock()
         self._spare: list[mmap.mmap] = []
 
-    def take(self, size: int) -> mmap.mmap:
+    def lend(self, size: int, lent: list[mmap.mmap]) -> np.ndarray:
+        """`size` aligned bytes; the buffer behind them is added to `lent`, to be given back."""
         with self._lock:
-            for n, buffer in enumerate(self._spare):
-                if len(buffer) >= size:
-                    return self._spare.pop(n)
-        return _aligned_buffer(max(size, SLOT_ALIGNMENT))
+            buffer = next((b for b in self._spare if len(b) >= size), None)
+            if buffer is not None:
+                self._spare.remove(buffer)
+        if buffer is None:
+            buffer = _aligned_buffer(max(size, SLOT_ALIGNMENT))
+        lent.append(buffer)
+        return np.frombuffer(buffer, dtype=np.uint8, count=size)
 
     def give(self, buffers: list[mmap.mmap]) -> None:
         with self._lock:
@@ -249,19 +240,19 @@ class _Slab:
         return records * self.stride
 
     def stage(
-        self, buffers: list[np.ndarray], take: Callable[[str, int], np.ndarray]
+        self, buffers: list[np.ndarray], take: Callable[[int], np.ndarray]
     ) -> tuple[list[memoryview], list[np.ndarray], list[bool]]:
         """Header views, record bodies and which bodies are staged, for one batch of records.
 
         A body is the caller's buffer itself when it spans the whole record body (and is
         aligned, for O_DIRECT); otherwise an aligned staging slice the caller copies
-        through (`bounced`). `take(name, size)` gives the aligned staging memory.
+        through (`bounced`). `take(size)` gives aligned staging memory.
         """
         body_bytes = self.record_bytes - HEADER_BYTES
-        header_block = memoryview(take("headers", HEADER_BYTES * len(buffers)))
+        header_block = memoryview(take(HEADER_BYTES * len(buffers)))
         headers = [header_block[n * HEADER_BYTES : (n + 1) * HEADER_BYTES] for n in range(len(buffers))]
         bounced = [b.nbytes < body_bytes or (self.direct and not _is_aligned(b)) for b in buffers]
-        staging = take("bodies", body_bytes * sum(bounced)) if any(bounced) else None
+        staging = take(body_bytes * sum(bounced)) if any(bounced) else None
         bodies = []
         staged = 0
         for buffer, bounce in zip(buffers, bounced):
@@ -443,9 +434,10 @@ class DiskTier:
         failed: set[int] = set()
         error: OSError | None = None
         sealed: list[Future] = []
+        lent: list[mmap.mmap] = []
         try:
             headers, bodies, bounced = slab.stage(
-                [payloads[i] for i, _ in todo], lambda name, size: _staging_buffer(f"write-{name}", size)
+                [payloads[i] for i, _ in todo], lambda size: self._spare.lend(size, lent)
             )
 
             def seal(start: int, end: int) -> None:
@@ -502,6 +494,7 @@ class DiskTier:
             failed.update(range(len(todo)))
             raise
         finally:
+            self._spare.give(lent)
             with self._lock:
                 slab.growing -= growing
                 for n, (i, record) in enumerate(todo):
@@ -579,12 +572,7 @@ class DiskTier:
             return result
         todo.sort(key=lambda item: item[1])
         lent: list[mmap.mmap] = []
-
-        def take(_: str, size: int) -> np.ndarray:
-            lent.append(self._spare.take(size))
-            return np.frombuffer(lent[-1], dtype=np.uint8, count=size)
-
-        headers, bodies, bounced = slab.stage([outs[i] for i, _ in todo], take)
+        headers, bodies, bounced = slab.stage([outs[i] for i, _ in todo], lambda size: self._spare.lend(size, lent))
         errors: dict[int, str] = {}  # written before the verification of the piece that failed is queued
         corrupt: set[int] = set()
         verified: set[int] = set()
