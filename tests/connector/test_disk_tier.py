@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from kvstrata.actors import node_store as node_store_module
-from kvstrata.tiers import disk as disk_module
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager
+from kvstrata.tiers import disk as disk_module
 from kvstrata.tiers.disk import HEADER_BYTES
 from tests.connector.harness import SLOT, ctx, step, store_chunks
 from tests.utils import key, layout, store_config
