@@ -152,7 +152,9 @@ def _read_pieces(
 
     A range may end inside a record (its digest is then fed piece by piece), and the last
     ranges halve down to `last_bytes`, so the digest left to compute after the last read
-    is short. Every boundary stays 4 KiB aligned, as O_DIRECT requires.
+    is short. A range never leaves less than `last_bytes` of a record to the next one: an
+    8 MiB record and its 4 KiB header were read as 8 MiB, then a 4 KiB call of its own.
+    Every boundary stays 4 KiB aligned, as O_DIRECT requires.
     """
     pieces: list[list[Segment]] = []
     remaining = len(records) * record_bytes
@@ -161,10 +163,12 @@ def _read_pieces(
         size = remaining if remaining < 2 * last_bytes else max(last_bytes, align_down(remaining // 2))
         size = min(size, piece_bytes)
         piece: list[Segment] = []
-        while size and n < len(records) and len(piece) < MAX_RUN:
+        while size > 0 and n < len(records) and len(piece) < MAX_RUN:
             if piece and (not packed or records[n] != records[n - 1] + 1):
                 break  # not touching on disk: the next range starts there
             end = min(record_bytes, first + size)
+            if record_bytes - end < last_bytes:
+                end = record_bytes
             piece.append((n, first, end))
             size -= end - first
             remaining -= end - first

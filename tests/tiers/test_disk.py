@@ -320,6 +320,16 @@ def test_reads_are_planned_as_bounded_aligned_ranges_that_shrink_at_the_end():
     assert max(sizes) == 8192 and sizes[-3:] == [4096] * 3  # the last reads shrink: little left to hash
 
 
+def test_a_read_never_leaves_a_sliver_of_a_record_for_a_call_of_its_own():
+    """A payload as large as a read plus its header was read as one full read, then a 4 KiB one."""
+    record = 3 * 4096  # a two-page payload and its header
+    pieces = disk_module._read_pieces([0, 5], record, piece_bytes=8192, last_bytes=8192, packed=False)
+    assert pieces == [[(0, 0, record)], [(1, 0, record)]]
+    # Where the rest is no sliver, a record is still split, and its last reads halve.
+    pieces = disk_module._read_pieces([0], 5 * 4096, piece_bytes=8192, last_bytes=4096, packed=False)
+    assert [end - first for piece in pieces for _, first, end in piece] == [8192, 4096, 4096, 4096]
+
+
 def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, monkeypatch, direct_io):
     """Records bigger than READ_RUN_BYTES are read in pieces and hashed as each piece lands:
     every byte still counts, wherever a flipped byte or a torn end falls."""
