@@ -56,6 +56,8 @@ MAX_RESERVED_SHARE = 4
 # rotated rounds): 64 MiB jobs reached raw O_DIRECT speed; one-chunk jobs and 16 MiB jobs
 # were 10-25% slower (too little in flight per thread).
 DISK_JOB_BYTES = 64 << 20
+# Bytes of a request's first and last jobs on each I/O thread (see `disk_job_sizes`).
+EDGE_JOB_BYTES = 8 << 20
 
 # Internal pin holders: they hold no lease and never expire.
 CASCADE = "kvstrata:cascade"
@@ -608,10 +610,10 @@ class NodeStore:
         """
         if not items:
             return
-        share = -(-len(items) // self.config.tiers.disk.io_threads)
-        size = max(1, min(share, DISK_JOB_BYTES // pool.geometry.slot_bytes))
-        for start in range(0, len(items), size):
+        start = 0
+        for size in disk_job_sizes(len(items), pool.geometry.slot_bytes, self.config.tiers.disk.io_threads):
             self._io.submit(job, namespace, pool, items[start : start + size])
+            start += size
 
     def _promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         """Read a batch; it is committed when its last piece is verified, on a digest thread,
@@ -671,6 +673,28 @@ class NodeStore:
                     pool.release(PROMOTE, [slot])
                     self.counters["promotion_failures"] += 1
             self._io_done.notify_all()
+
+
+def disk_job_sizes(count: int, item_bytes: int, threads: int) -> list[int]:
+    """Chunks per disk job, in the order the jobs are queued, for `count` chunks over `threads`.
+
+    The first and the last `threads` jobs move about `EDGE_JOB_BYTES`, the ones between up
+    to `DISK_JOB_BYTES`. Why: a job's set-up holds the GIL in proportion to its chunks, so
+    with equal 64 MiB jobs the fourth thread's first read started 16 ms after the request
+    (256 KiB chunks, 512 MiB; now 5-6 ms); and a thread that finishes its share early
+    takes the small jobs at the end instead of idling while the others finish (threads
+    ended up to 20 ms apart at 8 MiB chunks; now within 4 ms).
+    """
+    big = max(1, min(-(-count // threads), DISK_JOB_BYTES // item_bytes))
+    edge = max(1, min(big, EDGE_JOB_BYTES // item_bytes))
+    middle = count - 2 * threads * edge
+    if middle <= 0:
+        return _even_split(count, -(-count // edge))
+    return [edge] * threads + _even_split(middle, -(-middle // big)) + [edge] * threads
+
+
+def _even_split(count: int, parts: int) -> list[int]:
+    return [count // parts + (i < count % parts) for i in range(parts)]
 
 
 def _in_ray() -> bool:

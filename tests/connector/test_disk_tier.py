@@ -190,10 +190,30 @@ def test_a_full_write_queue_drops_disk_writes_without_blocking(env):
     assert len(store.keys(manager.namespace, "STORAGE")) == 1
 
 
+@pytest.mark.parametrize("chunk_kib", [256, 1024, 8192, 32768])
+@pytest.mark.parametrize("total_mib", [1, 40, 512, 4096])
+@pytest.mark.parametrize("threads", [1, 4, 7])
+def test_a_request_is_split_into_small_first_and_last_jobs_and_bounded_ones_between(chunk_kib, total_mib, threads):
+    chunk = chunk_kib << 10
+    count = max(1, (total_mib << 20) // chunk)
+    sizes = node_store_module.disk_job_sizes(count, chunk, threads)
+    assert sum(sizes) == count and min(sizes) >= 1
+    largest = max(1, node_store_module.DISK_JOB_BYTES // chunk)
+    edge = max(1, node_store_module.EDGE_JOB_BYTES // chunk)
+    assert max(sizes) <= largest
+    if count >= 2 * threads * edge + 1:  # enough for small jobs at both ends and some between
+        assert sizes[:threads] == sizes[-threads:] == [edge] * threads
+        assert len(sizes) <= 2 * threads + -(-count // largest) + 1  # no more jobs than needed
+    else:
+        assert max(sizes) <= edge
+
+
 def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monkeypatch):
     """Each disk job moves at most DISK_JOB_BYTES, so I/O threads checksum a little and go
-    back to the disk, and the first promoted chunks are ready before the last are read."""
+    back to the disk, and the first promoted chunks are ready before the last are read.
+    Each thread's first and last jobs are one chunk (EDGE_JOB_BYTES)."""
     monkeypatch.setattr(node_store_module, "DISK_JOB_BYTES", 3 * SLOT)
+    monkeypatch.setattr(node_store_module, "EDGE_JOB_BYTES", SLOT)
     make_store, _ = env
     store, _ = make_store(slots=24, io_threads=2)
     calls = []
@@ -223,8 +243,8 @@ def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monke
 
     writes = [n for name, n in calls if name == "write_many"]
     reads = [n for name, n in calls if name == "start_reads"]
-    assert sum(writes) == 20 and max(writes) == 3 and len(writes) == 7
-    assert sum(reads) == 20 and max(reads) == 3 and len(reads) == 7
+    # 2 threads: 1, 1, then 16 chunks in jobs of at most 3, then 1, 1.
+    assert sorted(writes) == sorted(reads) == [1, 1, 1, 1, 2, 2, 3, 3, 3, 3]
     for k in keys:
         slot = pool.lookup(k)
         assert slot is not None and np.array_equal(pool.view(slot), data[k])
