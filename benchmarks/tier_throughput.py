@@ -24,9 +24,11 @@ pieces of the memory decide how finely O_DIRECT requests are split):
   (b) vLLM's own `fs` secondary tier I/O (`vllm.v1.kv_offload.tiering.fs.io`
       batch_store_block / batch_load_block: one file per chunk, O_DIRECT), if vLLM is
       installed; every store creates its file, so it has no warm case.
-Rounds alternate the three, in an order that rotates every round, and every timed phase
-starts on a flushed disk (`os.sync()`); the table shows medians (this VM's disk drifts by
-tens of percent within a minute).
+Each round writes all three (in an order that rotates every round), then reads each
+`--reads` times back to back, alternating; every timed phase starts on a flushed disk
+(`os.sync()`). This VM's disk drifts by tens of percent within a minute, so every ratio
+is the median of ratios of measurements taken side by side (one round's writes; one
+set of back-to-back reads), and the range of the read ratios is printed after the table.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 
@@ -75,89 +77,179 @@ def huge_page_probe(shm_dir: str) -> bool:
     return probe.huge_pages
 
 
-def raw_o_direct(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float, float]:
-    """Cold write (new files), warm write (the same files again) and read, in seconds.
+def timed(work: Callable[[], object]) -> float:
+    """Seconds `work` takes, started on a flushed disk: the last phase's writeback must not slow it."""
+    os.sync()
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
-    Each thread pwrite()s / pread()s its chunks, one at a time, into its own file. Every
-    chunk has its own place in memory, as in any tier: on this VM, O_DIRECT reads into
-    one reused buffer run at about half the speed of reads into distinct memory, which
-    would make the reference look slower than the disk is.
+
+class RawODirect:
+    """Reference (a): each thread pwrite()s / pread()s its chunks, one at a time, into its own file.
+
+    Every chunk has its own place in memory, as in any tier: on this VM, O_DIRECT reads into
+    one reused buffer run at about half the speed of reads into distinct memory, which would
+    make the reference look slower than the disk is.
     """
-    paths = [os.path.join(directory, f"raw-{t}.bin") for t in range(threads)]
-    per_thread = split(list(range(count)), threads)
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
 
-    def write(t: int) -> None:
-        fd = os.open(paths[t], flags, 0o600)
-        try:
-            for i, c in enumerate(per_thread[t]):
-                os.pwrite(fd, view[c * chunk : (c + 1) * chunk], i * chunk)
-        finally:
-            os.close(fd)
+    def __init__(
+        self,
+        directory: str,
+        shm_dir: str,
+        chunk: int,
+        count: int,
+        threads: int,
+        stack: ExitStack,
+    ):
+        self.chunk, self.threads = chunk, threads
+        self.paths = [os.path.join(directory, f"raw-{t}.bin") for t in range(threads)]
+        self.per_thread = split(list(range(count)), threads)
+        self.view = stack.enter_context(reference_memory(shm_dir, chunk * count, seed=2))
+        self.pool = stack.enter_context(ThreadPoolExecutor(threads))
+        stack.callback(lambda: [os.remove(path) for path in self.paths if os.path.exists(path)])
 
-    def read(t: int) -> None:
-        fd = os.open(paths[t], flags, 0o600)
-        try:
-            for i, c in enumerate(per_thread[t]):
-                os.preadv(fd, [view[c * chunk : (c + 1) * chunk]], i * chunk)
-        finally:
-            os.close(fd)
+    def write(self) -> tuple[float, float]:
+        """Cold (new files) and warm (the same files again) write, in seconds."""
+        return timed(lambda: self._each_thread(os.pwrite)), timed(lambda: self._each_thread(os.pwrite))
 
-    with reference_memory(shm_dir, chunk * count, seed=2) as view, ThreadPoolExecutor(threads) as pool:
+    def read(self) -> float:
+        return timed(lambda: self._each_thread(lambda fd, view, offset: os.preadv(fd, [view], offset)))
 
-        def timed(work: Callable[[int], None]) -> float:
-            os.sync()
-            start = time.perf_counter()
-            list(pool.map(work, range(threads)))
-            return time.perf_counter() - start
+    def _each_thread(self, call: Callable[[int, memoryview, int], int]) -> None:
+        def run(t: int) -> None:
+            fd = os.open(
+                self.paths[t],
+                os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0),
+                0o600,
+            )
+            try:
+                for i, c in enumerate(self.per_thread[t]):
+                    call(
+                        fd,
+                        self.view[c * self.chunk : (c + 1) * self.chunk],
+                        i * self.chunk,
+                    )
+            finally:
+                os.close(fd)
 
-        cold_s, warm_s, read_s = timed(write), timed(write), timed(read)
-    for path in paths:
-        os.remove(path)
-    return cold_s, warm_s, read_s
-
-
-def vllm_fs(directory: str, shm_dir: str, chunk: int, count: int, threads: int) -> tuple[float, float] | None:
-    try:
-        from vllm.v1.kv_offload.tiering.fs.io import batch_load_block, batch_store_block, probe_o_direct
-    except ImportError:
-        return None
-    direct = probe_o_direct(directory)
-    paths = [os.path.join(directory, "vllm", f"{i % 256:02x}", f"chunk-{i}") for i in range(count)]
-    groups = split(list(range(count)), threads)
-
-    def store(indices: list[int]) -> None:
-        batch_store_block([paths[i] for i in indices], view, [i * chunk for i in indices], chunk, direct)
-
-    def load(indices: list[int]) -> None:
-        batch_load_block([paths[i] for i in indices], view, [i * chunk for i in indices], chunk, direct)
-
-    with reference_memory(shm_dir, chunk * count, seed=1) as view, ThreadPoolExecutor(threads) as pool:
-        os.sync()
-        start = time.perf_counter()
-        list(pool.map(store, groups))
-        write_s = time.perf_counter() - start
-        os.sync()
-        start = time.perf_counter()
-        list(pool.map(load, groups))
-        read_s = time.perf_counter() - start
-    shutil.rmtree(os.path.join(directory, "vllm"))
-    return write_s, read_s
+        list(self.pool.map(run, range(self.threads)))
 
 
-def cascade_and_promote(
-    store: NodeStore, namespace: str, chunk: int, count: int, first_key: int = 0
-) -> tuple[float, float]:
-    """Seconds to cascade `count` committed chunks out of the arena, and to promote them back.
+class VllmFs:
+    """Reference (b): vLLM's `fs` tier I/O, one file per chunk, the chunks spread over the threads."""
 
-    Both clocks stop when the store reports no I/O in flight; the arena forgets the
-    chunks in between, so every one is read back from the tier under test.
+    def __init__(
+        self,
+        directory: str,
+        shm_dir: str,
+        chunk: int,
+        count: int,
+        threads: int,
+        stack: ExitStack,
+    ):
+        from vllm.v1.kv_offload.tiering.fs import io
+
+        self.io, self.chunk, self.threads = io, chunk, threads
+        root = os.path.join(directory, "vllm")
+        self.paths = [os.path.join(root, f"{i % 256:02x}", f"chunk-{i}") for i in range(count)]
+        self.direct = io.probe_o_direct(directory)
+        self.view = stack.enter_context(reference_memory(shm_dir, chunk * count, seed=1))
+        self.pool = stack.enter_context(ThreadPoolExecutor(threads))
+        stack.callback(shutil.rmtree, root, ignore_errors=True)
+
+    def write(self) -> tuple[float]:
+        """Every store creates its file: there is no warm case."""
+        return (timed(lambda: self._each_thread(self.io.batch_store_block)),)
+
+    def read(self) -> float:
+        return timed(lambda: self._each_thread(self.io.batch_load_block))
+
+    def _each_thread(self, call: Callable) -> None:
+        def run(indices: list[int]) -> None:
+            call(
+                [self.paths[i] for i in indices],
+                self.view,
+                [i * self.chunk for i in indices],
+                self.chunk,
+                self.direct,
+            )
+
+        list(self.pool.map(run, split(list(range(len(self.paths))), self.threads)))
+
+
+class KvstrataDisk:
+    """The disk tier through the node store's public `step` call.
+
+    The disk holds one fill: the second fill evicts the first and reuses its records, as a
+    tier that has been running does. Reads promote that fill into the arena (which forgot it).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        shm_dir: str,
+        chunk: int,
+        count: int,
+        threads: int,
+        stack: ExitStack,
+    ):
+        self.chunk, self.count = chunk, count
+        disk_dir = os.path.join(directory, "kvstrata")
+        config = {
+            "tiers": {
+                "cpu": {
+                    "capacity": chunk * (count + 4),
+                    "segment_size": 256 << 20,
+                    "shm_dir": shm_dir,
+                },
+                "disk": {
+                    "path": disk_dir,
+                    "capacity": record_stride(chunk) * count,
+                    "io_threads": threads,
+                    "queue_depth": count,
+                },
+            }
+        }
+        stack.callback(shutil.rmtree, disk_dir, ignore_errors=True)
+        self.store = NodeStore(config, "bench-node")
+        stack.callback(self.store.close)
+        self.keys: list[bytes] = []
+        self.reads = 0
+
+    def write(self) -> tuple[float, float]:
+        """Cold write (into a new slab) and warm write (into records the first fill left), in seconds."""
+        cold_s, _ = cascade(self.store, "bench", self.chunk, self.count)
+        warm_s, self.keys = cascade(self.store, "bench", self.chunk, self.count, first_key=self.count)
+        stats = self.store.stats()["disk"]
+        assert stats["evicted"] == self.count, "the second fill should reuse the first one's records"
+        return cold_s, warm_s
+
+    def read(self) -> float:
+        seconds = promote(self.store, "bench", self.keys)
+        self.reads += 1
+        stats = self.store.stats()
+        assert stats["promotions"] == self.reads * self.count and stats["disk"]["corrupt_chunks"] == 0
+        return seconds
+
+    def facts(self) -> tuple[bool, bool]:
+        """Whether the disk was opened with O_DIRECT, and whether the arena got 2 MiB pages."""
+        stats = self.store.stats()
+        pool = stats["pools"]["bench"]
+        return all(stats["disk"]["direct_io"].values()), pool["huge_page_segments"] == pool["segments"]
+
+
+def cascade(store: NodeStore, namespace: str, chunk: int, count: int, first_key: int = 0) -> tuple[float, list[bytes]]:
+    """Seconds to cascade `count` new committed chunks out of the arena, and their keys.
+
+    The clock stops when the store reports no I/O in flight; then the arena forgets the
+    chunks, so only the tier under test holds them.
     """
     store.register("bench", namespace, chunk)
     assert store.wait_io(60)  # manifests and first listings are not part of the figure
     pool = store.arena.pools[namespace]
     slots = pool.reserve("bench", count)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(first_key)
     for slot in slots:
         pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
     keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(first_key, first_key + count)]
@@ -165,59 +257,36 @@ def cascade_and_promote(
     # carry the sequence number the engine has seen: replaying the whole log is not part
     # of a cascade or a promotion.
     seq = store.step(StepRequest("bench", namespace)).seq
-    os.sync()  # the last measurement's writeback must not slow this one
-    start = time.perf_counter()
-    store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys)), known_seq=seq))
-    assert store.wait_io(600)
-    write_s = time.perf_counter() - start
+
+    def commit() -> None:
+        store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys)), known_seq=seq))
+        assert store.wait_io(600)
+
+    seconds = timed(commit)
     pool.drop_holder("bench")
-    pool.purge()  # the arena forgets them; the tier keeps them
-    seq = store.step(StepRequest("bench", namespace)).seq
-    os.sync()
-    start = time.perf_counter()
-    reply = store.step(StepRequest("bench", namespace, pin=keys, known_seq=seq))
-    assert len(reply.pending) == count, "every chunk should be promoted from the tier"
-    assert store.wait_io(600)
-    read_s = time.perf_counter() - start
     pool.purge()
-    return write_s, read_s
+    return seconds, keys
 
 
-def kvstrata_disk(
-    directory: str, shm_dir: str, chunk: int, count: int, threads: int
-) -> tuple[float, float, float, bool, bool]:
-    """Cold write (into a new slab), warm write (into records the first fill left) and read,
-    whether the disk was opened with O_DIRECT, and whether the arena got 2 MiB pages.
+def promote(store: NodeStore, namespace: str, keys: list[bytes]) -> float:
+    """Seconds to promote chunks only the tier holds back into the arena, which forgets them after."""
+    pool = store.arena.pools[namespace]
+    seq = store.step(StepRequest("bench", namespace)).seq
 
-    The disk holds one fill: the second fill evicts the first and reuses its records, as
-    a tier that has been running does.
-    """
-    disk_dir = os.path.join(directory, "kvstrata")
-    config = {
-        "tiers": {
-            "cpu": {"capacity": chunk * (count + 4), "segment_size": 256 << 20, "shm_dir": shm_dir},
-            "disk": {
-                "path": disk_dir,
-                "capacity": record_stride(chunk) * count,
-                "io_threads": threads,
-                "queue_depth": count,
-            },
-        }
-    }
-    store = NodeStore(config, "bench-node")
-    try:
-        cold_s, _ = cascade_and_promote(store, "bench", chunk, count)
-        warm_s, read_s = cascade_and_promote(store, "bench", chunk, count, first_key=count)
-        stats = store.stats()
-        assert stats["promotions"] == 2 * count and stats["disk"]["corrupt_chunks"] == 0
-        assert stats["disk"]["evicted"] == count, "the second fill should reuse the first one's records"
-        direct = all(stats["disk"]["direct_io"].values())
-        pool = stats["pools"]["bench"]
-        huge = pool["huge_page_segments"] == pool["segments"]
-    finally:
-        store.close()
-        shutil.rmtree(disk_dir, ignore_errors=True)
-    return cold_s, warm_s, read_s, direct, huge
+    def pin() -> None:
+        reply = store.step(StepRequest("bench", namespace, pin=keys, known_seq=seq))
+        assert len(reply.pending) == len(keys), "every chunk should be promoted from the tier"
+        assert store.wait_io(600)
+
+    seconds = timed(pin)
+    pool.drop_holder("bench")
+    pool.purge()
+    return seconds
+
+
+def cascade_and_promote(store: NodeStore, namespace: str, chunk: int, count: int) -> tuple[float, float]:
+    write_s, keys = cascade(store, namespace, chunk, count)
+    return write_s, promote(store, namespace, keys)
 
 
 def kvstrata_object(
@@ -332,53 +401,97 @@ def object_main(total_mib: int, concurrency: int, rounds: int) -> None:
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-def disk_main(path: str | None, total_mib: int, threads: int, rounds: int) -> None:
+def median_speedup(reference: list[tuple[float, ...]], measured: list[tuple[float, ...]], column: int) -> float:
+    """The median over rounds of reference seconds / measured seconds in `column`: each
+    ratio compares two measurements of the same round."""
+    return statistics.median(r[column] / m[column] for r, m in zip(reference, measured))
+
+
+def rotated(items: list, by: int) -> list:
+    return items[by % len(items) :] + items[: by % len(items)]
+
+
+def disk_figures(
+    moved: int, writes: dict[str, list[tuple[float, ...]]], reads: list[dict[str, float]]
+) -> tuple[list[float], list[float], str]:
+    """GB/s (medians), the ratios of the table, and the range of the read ratios.
+
+    Every ratio is the median of ratios between measurements taken side by side (writes of
+    one round, reads of one back-to-back set), never a ratio of medians taken minutes apart.
+    """
+    med = statistics.median
+    kvstrata, raw = writes["kvstrata"], writes["raw"]
+    seconds = [med(w[0] for w in kvstrata), med(w[1] for w in kvstrata), med(r["kvstrata"] for r in reads)]
+    seconds += [med(w[0] for w in raw), med(w[1] for w in raw), med(r["raw"] for r in reads)]
+    read_raw = [r["raw"] / r["kvstrata"] for r in reads]
+    ratios = [median_speedup(raw, kvstrata, 0), median_speedup(raw, kvstrata, 1), med(read_raw)]
+    spread = f"read/raw {min(read_raw):.2f}-{max(read_raw):.2f}"
+    if "vllm" in writes:
+        seconds += [med(w[0] for w in writes["vllm"]), med(r["vllm"] for r in reads)]
+        vllm = [(w[0], w[0]) for w in writes["vllm"]]  # its one kind of store against kvstrata's cold and warm
+        read_vllm = [r["vllm"] / r["kvstrata"] for r in reads]
+        ratios += [median_speedup(vllm, kvstrata, 0), median_speedup(vllm, kvstrata, 1), med(read_vllm)]
+        spread += f", read/vllm {min(read_vllm):.2f}-{max(read_vllm):.2f}"
+    else:
+        seconds += [float("inf")] * 2
+        ratios += [float("nan")] * 3
+    return [moved / s / 1e9 for s in seconds], ratios, spread
+
+
+def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads: int) -> None:
     directory = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=path or "/var/tmp")
     shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
     try:
         print(f"disk tier in {directory}, {total_mib} MiB per measurement, {threads} I/O threads, "
-              f"medians of {rounds} interleaved rounds; GB/s, then ratios")  # fmt: skip
+              f"{rounds} rounds of writes, each followed by {reads} back-to-back reads of each; GB/s (medians), "
+              "then medians of the ratios of measurements taken side by side")  # fmt: skip
         print("  cold: writes into new files (kvstrata: a new slab; vLLM: every store creates its file)")
         print("  warm: writes over blocks written before (kvstrata: records freed by eviction)")
-        print("  w/vllm: kvstrata cold vs vLLM; warm/vllm: a running kvstrata tier vs vLLM, whose stores always create files")
+        print(
+            "  w/vllm: kvstrata cold vs vLLM; warm/vllm: a running kvstrata tier vs vLLM, whose stores always create files"
+        )
         pages = "2 MiB pages" if huge_page_probe(shm_dir) else "4 KiB pages (no MADV_COLLAPSE here)"
         print(f"  memory: the arena and both references use shared memory in {pages}")
+        subjects: dict[str, type] = {"kvstrata": KvstrataDisk, "raw": RawODirect}
+        try:
+            import vllm.v1.kv_offload.tiering.fs.io  # noqa: F401
+        except ImportError:
+            print("  vLLM is not installed: no vLLM reference")
+        else:
+            subjects["vllm"] = VllmFs
         columns = ["kv cold", "kv warm", "kv read", "raw cold", "raw warm", "raw read", "vllm w", "vllm r",
                    "cold/raw", "warm/raw", "read/raw", "w/vllm", "warm/vllm", "r/vllm"]  # fmt: skip
         print(f"{'chunk':>9} " + " ".join(f"{c:>8}" for c in columns))
+        spreads = []
         for size_kib in SIZES_KIB:
             chunk = size_kib * 1024
             count = max(threads, total_mib * 1024 * 1024 // chunk)
-            samples: dict[str, list[tuple[float, ...]]] = {"kvstrata": [], "raw": [], "vllm": []}
-            direct = huge = True
-            # The disk drifts by tens of percent within a minute: alternate the three and
-            # compare medians, not one shot each. The order rotates every round: the root
-            # filesystem here is mounted with `discard`, so whatever runs right after another
-            # measurement's files are deleted shares the disk with their discards.
-            runs = {
-                "kvstrata": lambda: kvstrata_disk(directory, shm_dir, chunk, count, threads),
-                "raw": lambda: raw_o_direct(directory, shm_dir, chunk, count, threads),
-                "vllm": lambda: vllm_fs(directory, shm_dir, chunk, count, threads),
-            }
-            order = list(runs)
+            writes: dict[str, list[tuple[float, ...]]] = {name: [] for name in subjects}
+            read_s: list[dict[str, float]] = []
             for round_ in range(rounds):
-                for name in order[round_ % 3 :] + order[: round_ % 3]:
-                    result = runs[name]()
-                    if name == "kvstrata":
-                        *result, direct, huge = result
-                    if result is not None:
-                        samples[name].append(tuple(result))
-            gb = lambda s: chunk * count / s / 1e9  # noqa: E731
-            med = {name: [gb(statistics.median(column)) for column in zip(*rows)] for name, rows in samples.items()}
-            kc, kw, kr = med["kvstrata"]
-            rc, rw, rr = med["raw"]
-            vw, vr = med["vllm"] or [float("nan")] * 2
-            figures = [kc, kw, kr, rc, rw, rr, vw, vr, kc / rc, kw / rw, kr / rr, kc / vw, kw / vw, kr / vr]
+                # The disk drifts by tens of percent within a minute: compare measurements
+                # taken side by side, never one shot each. Reads leave the disk as it was, so
+                # each round's are repeated back to back, the three alternating. The order
+                # rotates: the root filesystem here is mounted with `discard`, so whatever runs
+                # right after the last round's files are deleted shares the disk with their discards.
+                with ExitStack() as stack:
+                    made = {
+                        name: make(directory, shm_dir, chunk, count, threads, stack) for name, make in subjects.items()
+                    }
+                    for name in rotated(list(made), round_):
+                        writes[name].append(made[name].write())
+                    for read in range(reads):
+                        read_s.append({name: made[name].read() for name in rotated(list(made), round_ + read)})
+                    direct, huge = made["kvstrata"].facts()
+            figures, ratios, spread = disk_figures(chunk * count, writes, read_s)
+            spreads.append(f"{size_kib:>6}KiB {spread}")
             print(
-                f"{size_kib:>6}KiB " + " ".join(f"{f:>8.2f}" for f in figures)
+                f"{size_kib:>6}KiB " + " ".join(f"{f:>8.2f}" for f in figures + ratios)
                 + ("" if direct else "  (buffered: no O_DIRECT here)")
                 + ("" if huge else "  (arena in 4 KiB pages)")
-            )
+            )  # fmt: skip
+        print(f"range of the {rounds * reads} side-by-side read ratios:")
+        print("\n".join(spreads))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -392,12 +505,13 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=512)
     parser.add_argument("--threads", type=int, default=4, help="disk tier: io_threads (and the references' threads)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    parser.add_argument("--reads", type=int, default=3, help="disk tier: back-to-back reads of each per round")
     args = parser.parse_args()
     if args.tier == "object":
         object_main(args.total_mib if args.total_mib != 512 else 256, args.concurrency, args.rounds)
         return
 
-    disk_main(args.path, args.total_mib, args.threads, args.rounds)
+    disk_main(args.path, args.total_mib, args.threads, args.rounds, args.reads)
 
 
 if __name__ == "__main__":
