@@ -45,7 +45,7 @@ from contextlib import ExitStack, contextmanager
 
 import numpy as np
 
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.actors.node_store import NodeStore, freeze_startup_heap
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.keys import make_key
 from kvstrata.tiers.disk import record_stride
@@ -214,6 +214,7 @@ class KvstrataDisk:
         stack.callback(shutil.rmtree, disk_dir, ignore_errors=True)
         self.store = NodeStore(config, "bench-node")
         stack.callback(self.store.close)
+        freeze_startup_heap()  # as the store's actor does once it is up (this process is its stand-in)
         self.keys: list[bytes] = []
         self.reads = 0
 

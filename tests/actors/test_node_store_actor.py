@@ -65,6 +65,24 @@ def test_one_named_detached_store_per_node(store):
     assert ray.get(get_node_store().ping.remote()) == ray.get(handle.ping.remote())
 
 
+def test_the_store_actor_keeps_its_start_up_heap_out_of_garbage_collections(store, tmp_path):
+    """A full collection of the actor's start-up heap held the GIL for ~50 ms (every I/O thread
+    waited); the actor freezes it. A store made in a test's own process leaves that process alone."""
+    import gc
+
+    from kvstrata.actors.node_store import NodeStore
+
+    handle, _ = store
+    assert ray.get(handle.stats.remote())["gc_frozen_objects"] > 10_000
+    frozen = gc.get_freeze_count()
+    (tmp_path / "local").mkdir()
+    local = NodeStore(store_config(tmp_path / "local", capacity=4 * SLOT), "local-node")
+    try:
+        assert gc.get_freeze_count() == frozen
+    finally:
+        local.close()
+
+
 def test_store_is_detached_from_the_process_that_created_it(store):
     handle, cfg = store
     epoch = ray.get(handle.ping.remote())
