@@ -93,15 +93,7 @@ class RawODirect:
     make the reference look slower than the disk is.
     """
 
-    def __init__(
-        self,
-        directory: str,
-        shm_dir: str,
-        chunk: int,
-        count: int,
-        threads: int,
-        stack: ExitStack,
-    ):
+    def __init__(self, directory: str, shm_dir: str, chunk: int, count: int, threads: int, stack: ExitStack):
         self.chunk, self.threads = chunk, threads
         self.paths = [os.path.join(directory, f"raw-{t}.bin") for t in range(threads)]
         self.per_thread = split(list(range(count)), threads)
@@ -118,18 +110,10 @@ class RawODirect:
 
     def _each_thread(self, call: Callable[[int, memoryview, int], int]) -> None:
         def run(t: int) -> None:
-            fd = os.open(
-                self.paths[t],
-                os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0),
-                0o600,
-            )
+            fd = os.open(self.paths[t], os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
             try:
                 for i, c in enumerate(self.per_thread[t]):
-                    call(
-                        fd,
-                        self.view[c * self.chunk : (c + 1) * self.chunk],
-                        i * self.chunk,
-                    )
+                    call(fd, self.view[c * self.chunk : (c + 1) * self.chunk], i * self.chunk)
             finally:
                 os.close(fd)
 
@@ -139,15 +123,7 @@ class RawODirect:
 class VllmFs:
     """Reference (b): vLLM's `fs` tier I/O, one file per chunk, the chunks spread over the threads."""
 
-    def __init__(
-        self,
-        directory: str,
-        shm_dir: str,
-        chunk: int,
-        count: int,
-        threads: int,
-        stack: ExitStack,
-    ):
+    def __init__(self, directory: str, shm_dir: str, chunk: int, count: int, threads: int, stack: ExitStack):
         from vllm.v1.kv_offload.tiering.fs import io
 
         self.io, self.chunk, self.threads = io, chunk, threads
@@ -185,24 +161,12 @@ class KvstrataDisk:
     tier that has been running does. Reads promote that fill into the arena (which forgot it).
     """
 
-    def __init__(
-        self,
-        directory: str,
-        shm_dir: str,
-        chunk: int,
-        count: int,
-        threads: int,
-        stack: ExitStack,
-    ):
+    def __init__(self, directory: str, shm_dir: str, chunk: int, count: int, threads: int, stack: ExitStack):
         self.chunk, self.count = chunk, count
         disk_dir = os.path.join(directory, "kvstrata")
         config = {
             "tiers": {
-                "cpu": {
-                    "capacity": chunk * (count + 4),
-                    "segment_size": 256 << 20,
-                    "shm_dir": shm_dir,
-                },
+                "cpu": {"capacity": chunk * (count + 4), "segment_size": 256 << 20, "shm_dir": shm_dir},
                 "disk": {
                     "path": disk_dir,
                     "capacity": record_stride(chunk) * count,
