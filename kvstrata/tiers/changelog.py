@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterable
 
 CPU = "CPU"
 STORAGE = "STORAGE"  # this node's disk
@@ -34,16 +35,23 @@ class ChangeLog:
             return self._seq
 
     def record(self, key: bytes, medium: str, present: bool) -> None:
+        self.record_many((key,), medium, present)
+
+    def record_many(self, keys: Iterable[bytes], medium: str, present: bool) -> None:
+        """Record one change for many keys under one lock (a batch commit or a disk write)."""
         with self._lock:
-            entry = (key, medium)
-            if present == (entry in self._present):
-                return
-            if present:
-                self._present[entry] = None
-            else:
-                del self._present[entry]
-            self._seq += 1
-            self._log.append((self._seq, key, medium, present))
+            known, log, seq = self._present, self._log, self._seq
+            for key in keys:
+                entry = (key, medium)
+                if present == (entry in known):
+                    continue
+                if present:
+                    known[entry] = None
+                else:
+                    del known[entry]
+                seq += 1
+                log.append((seq, key, medium, present))
+            self._seq = seq
 
     def snapshot(self) -> tuple[int, list[Change]]:
         with self._lock:

@@ -26,7 +26,16 @@ class Positions:
             self.anchor_groups = frozenset(groups)
 
     def add(self, key: bytes) -> None:
-        self._keys.setdefault(key_hash(key), set()).add(key)
+        self.add_many((key,))
+
+    def add_many(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            block_hash = key_hash(key)
+            resident = self._keys.get(block_hash)
+            if resident is None:
+                self._keys[block_hash] = {key}
+            else:
+                resident.add(key)
 
     def remove(self, key: bytes) -> None:
         position = self._keys.get(key_hash(key))

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from kvstrata.keys import key_name
 from kvstrata.tiers.arena import Arena, SlotError
 from tests.utils import FakeClock, key
 
@@ -114,6 +115,26 @@ def test_commit_requires_own_reservation(arena):
     assert pool.commit("a", slot, key(1))
 
 
+def test_a_batch_commit_indexes_the_good_items_and_names_each_refused_one(arena):
+    pool = arena.pool("ns", SLOT)
+    heard = []
+    pool.on_change = lambda keys, present: heard.append((list(keys), present))
+    mine, theirs = pool.reserve("a", 3), pool.reserve("b", 1)
+    assert pool.commit("a", mine[0], key(9))  # already indexed: its second copy becomes an orphan
+    heard.clear()
+    committed, refused = pool.commit_many("a", [(mine[1], key(1)), (theirs[0], key(2)), (mine[2], key(9))])
+    assert committed == [(key(1), mine[1])]
+    assert refused == [f"cannot commit chunk {key_name(key(2))}: slot {theirs[0]} of namespace ns is not reserved by a"]
+    assert heard == [([key(1)], True)]  # one change for the whole batch
+    assert pool.lookup(key(1)) == mine[1] and pool.lookup(key(2)) is None and pool.lookup(key(9)) == mine[0]
+    stats = pool.stats()
+    assert (stats["reserved"], stats["pinned"], stats["orphans"], stats["duplicate_commits"]) == (1, 3, 1, 1)
+    pool.commit("b", theirs[0], key(2))  # the refused slot is still the other holder's to commit
+    # The committer keeps a pin on every slot it committed, the orphan too, until it unpins.
+    assert pool.drop_holder("a") == 3
+    assert pool.stats()["orphans"] == 0
+
+
 def test_duplicate_commit_keeps_first_copy_and_frees_second_on_unpin(arena):
     pool = arena.pool("ns", SLOT)
     first, second = pool.reserve("a", 1)[0], pool.reserve("b", 1)[0]
@@ -129,7 +150,7 @@ def test_duplicate_commit_keeps_first_copy_and_frees_second_on_unpin(arena):
 def test_index_changes_are_reported_in_order(arena):
     pool = arena.pool("ns", SLOT)
     heard = []
-    pool.on_change = lambda k, present: heard.append((k, present))
+    pool.on_change = lambda keys, present: heard.extend((k, present) for k in keys)
     fill(pool, "w", [key(0), key(1)])
     pool.drop_holder("w")
     pool.purge()

@@ -26,6 +26,17 @@ def test_repeated_states_are_not_changes():
     assert log.seq == 1
 
 
+def test_a_batch_records_each_key_that_changes_once_in_order():
+    log = ChangeLog()
+    log.record(key(2), CPU, True)
+    start = log.seq
+    log.record_many([key(1), key(2), key(3), key(1)], CPU, True)
+    assert log.seq == start + 2  # key(2) was there already, key(1) repeats
+    assert log.since(start) == (log.seq, [(key(1), CPU, True), (key(3), CPU, True)])
+    log.record_many([key(3), key(4)], CPU, False)
+    assert log.since(start) == (log.seq, [(key(1), CPU, True), (key(3), CPU, False)])
+
+
 def test_a_reader_too_far_behind_gets_none_and_takes_a_snapshot():
     log = ChangeLog(length=4)
     for i in range(10):
