@@ -152,7 +152,7 @@ class NodeStore:
                 disk.capacity,
                 direct_io=disk.direct_io,
                 eviction_policy=self.config.tiers.cpu.eviction_policy,
-                on_change=lambda namespace, key, present: self._log(namespace).record(key, STORAGE, present),
+                on_change=lambda namespace, keys, present: self._log(namespace).record_many(keys, STORAGE, present),
             )
         except DiskTierError as exc:
             # The engine keeps serving from the arena; the operator sees why in the log and stats.
@@ -160,8 +160,7 @@ class NodeStore:
             logger.error("kvstrata node store: disk tier disabled: %s", exc)
             return
         for namespace in self.disk.namespaces():
-            for key in self.disk.keys(namespace):
-                self._log(namespace).record(key, STORAGE, True)
+            self._log(namespace).record_many(self.disk.keys(namespace), STORAGE, True)
         self._io = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="kvstrata-disk")
 
     # --- engine calls ------------------------------------------------------------------

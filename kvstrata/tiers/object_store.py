@@ -54,7 +54,7 @@ from kvstrata.config import ObjectTierConfig
 from kvstrata.keys import key_name, make_key
 from kvstrata.tiers.object_clients import open_chunk_client
 from kvstrata.tiers.positions import Positions
-from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest
+from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, seal_header
 
 logger = logging.getLogger(__name__)
 
@@ -432,9 +432,7 @@ class ObjectTier:
         with batch.lock:
             if batch.abandoned:  # the caller may already have reused the payload's slot
                 return False
-            RecordHeader(key, namespace, payload.nbytes, chunk_digest(namespace, key, payload)).pack(
-                memoryview(header)
-            )
+            seal_header(memoryview(header), namespace, key, payload)
             # The one copy: the clients want a whole body, as `bytes` (measured: a
             # bytearray body uploads slower through botocore); and a PUT abandoned past
             # its deadline must not read the slot afterwards.

@@ -9,6 +9,7 @@ block so disk records stay O_DIRECT-aligned.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -20,21 +21,42 @@ HEADER_BYTES = SLOT_ALIGNMENT
 MAGIC = b"KVSTRAT1"
 _HEADER = struct.Struct("<8sHHHQ16s")  # magic, version, key len, namespace len, payload len, digest
 VERSION = 1
+_ZEROS = bytes(HEADER_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _header_with_names(key_len: int, namespace_len: int) -> struct.Struct:
+    """The header's fields followed by the key and the namespace, packed in one call."""
+    if _HEADER.size + key_len + namespace_len > HEADER_BYTES:
+        raise ValueError(f"a key of {key_len} bytes and a namespace of {namespace_len} do not fit a record header")
+    return struct.Struct(f"{_HEADER.format}{key_len}s{namespace_len}s")
 
 
 def payload_hasher(namespace: str, key: bytes) -> "xxhash.xxh3_128":
     """The digest of a chunk before its payload: fed the payload in order, in one piece or
     several (a large record is verified piece by piece as it is read), it gives `chunk_digest`."""
-    hasher = xxhash.xxh3_128()
-    hasher.update(namespace.encode())
-    hasher.update(key)
-    return hasher
+    return xxhash.xxh3_128(namespace.encode() + key)
 
 
 def chunk_digest(namespace: str, key: bytes, payload) -> bytes:
     hasher = payload_hasher(namespace, key)
     hasher.update(memoryview(payload).cast("B"))
     return hasher.digest()
+
+
+def seal_header(out: memoryview, namespace: str, key: bytes, payload) -> None:
+    """Write the header of this chunk's record into `out` (one `HEADER_BYTES` block)."""
+    _pack(out, key, namespace, memoryview(payload).nbytes, chunk_digest(namespace, key, payload))
+
+
+def _pack(out: memoryview, key: bytes, namespace: str, payload_bytes: int, digest: bytes) -> None:
+    """Why not field by field: a disk write seals thousands of small records per second,
+    and per-header Python calls held the GIL the disk's I/O threads wait for."""
+    name = namespace.encode()
+    out[:HEADER_BYTES] = _ZEROS
+    _header_with_names(len(key), len(name)).pack_into(
+        out, 0, MAGIC, VERSION, len(key), len(name), payload_bytes, digest, key, name
+    )
 
 
 @dataclass(frozen=True)
@@ -45,12 +67,7 @@ class RecordHeader:
     digest: bytes
 
     def pack(self, out: memoryview) -> None:
-        namespace = self.namespace.encode()
-        out[: HEADER_BYTES] = bytes(HEADER_BYTES)
-        _HEADER.pack_into(out, 0, MAGIC, VERSION, len(self.key), len(namespace), self.payload_bytes, self.digest)
-        start = _HEADER.size
-        out[start : start + len(self.key)] = self.key
-        out[start + len(self.key) : start + len(self.key) + len(namespace)] = namespace
+        _pack(out, self.key, self.namespace, self.payload_bytes, self.digest)
 
     @classmethod
     def unpack(cls, data: memoryview) -> "RecordHeader | None":

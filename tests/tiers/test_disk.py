@@ -144,7 +144,7 @@ def test_a_torn_write_is_never_served_even_after_restart(tmp_path, tiers):
 def test_capacity_holds_and_lru_chunks_go_first(tmp_path, tiers):
     capacity = 8 * (HEADER_BYTES + CHUNK)
     removed = []
-    tier = open_tier(tiers, tmp_path, capacity=capacity, on_change=lambda ns, k, present: present or removed.append(k))
+    tier = open_tier(tiers, tmp_path, capacity=capacity, on_change=lambda ns, keys, present: present or removed.extend(keys))
     for i in range(24):  # three times the capacity
         assert tier.write(NS, key(i), chunk(i))
         if i == 4:
@@ -155,6 +155,25 @@ def test_capacity_holds_and_lru_chunks_go_first(tmp_path, tiers):
     assert not tier.contains(NS, key(1)) and tier.contains(NS, key(23))
     assert len(removed) == 16 and key(1) in removed
     assert not tier.read_into(NS, key(1), np.zeros(CHUNK, dtype=np.uint8))
+
+
+def test_a_batch_takes_free_records_then_new_ones_then_evicts_only_the_shortfall_oldest_first(tmp_path, tiers):
+    record = HEADER_BYTES + CHUNK
+    removed = []
+    tier = open_tier(tiers, tmp_path, capacity=6 * record, on_change=lambda ns, keys, present: present or removed.extend(keys))
+    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)]) == [True] * 4
+    assert tier.remove(NS, key(1))  # one free record, two never used
+    removed.clear()
+    batch = [(key(i), chunk(i)) for i in range(10, 15)] + [(key(0), chunk(0))]  # key(0): already there
+    assert tier.write_many(NS, batch) == [True] * 6
+    # 1 free + 2 never used + 2 evicted: key(0) was the oldest, but this batch asked for it again.
+    assert removed == [key(2), key(3)]
+    stats = tier.stats()
+    assert stats["evicted"] == 2 and stats["allocated"] <= 6 * record
+    assert sorted(tier.keys(NS)) == sorted([key(0)] + [key(i) for i in range(10, 15)])
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    for i in [0, *range(10, 15)]:
+        assert tier.read_into(NS, key(i), out) and np.array_equal(out, chunk(i)), i
 
 
 def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers, monkeypatch):
@@ -274,7 +293,7 @@ def test_a_wrong_size_chunk_is_refused_before_anything_is_allocated(tmp_path, ti
 def test_evicting_a_full_attention_chunk_drops_the_other_groups_at_its_position(tmp_path, tiers):
     capacity = 4 * (HEADER_BYTES + CHUNK)
     removed = []
-    tier = open_tier(tiers, tmp_path, capacity=capacity, on_change=lambda ns, k, present: present or removed.append(k))
+    tier = open_tier(tiers, tmp_path, capacity=capacity, on_change=lambda ns, keys, present: present or removed.extend(keys))
     tier.set_anchor_groups(NS, [0])
     position = [key(0, group=g) for g in (0, 1, 2)]
     for i, k in enumerate(position + [key(1)]):
@@ -466,11 +485,11 @@ def test_a_failure_while_sealing_gives_every_record_back(tmp_path, tiers, monkey
     record = CHUNK + HEADER_BYTES
     tier = open_tier(tiers, tmp_path, capacity=4 * record)
 
-    def broken(namespace, key, payload):
+    def broken(out, namespace, key, payload):
         raise RuntimeError("digest failed")
 
     with monkeypatch.context() as patched:
-        patched.setattr(disk_module, "chunk_digest", broken)
+        patched.setattr(disk_module, "seal_header", broken)
         with pytest.raises(RuntimeError, match="digest failed"):
             tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)])
     assert tier.keys(NS) == []
