@@ -48,7 +48,7 @@ import numpy as np
 from kvstrata.keys import SLOT_ALIGNMENT, align_down, align_up, key_name
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
 from kvstrata.tiers.positions import Positions
-from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, payload_hasher, seal_header
+from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, payload_hasher, recorded_digest, seal_header
 
 logger = logging.getLogger(__name__)
 
@@ -612,11 +612,11 @@ class DiskTier:
                         continue
                     key = items[todo[n][0]][0]
                     if first == 0:
-                        parsed = RecordHeader.unpack(headers[n])
-                        if parsed is None or not parsed.describes(namespace, key, slab.payload_bytes):
+                        recorded = recorded_digest(headers[n], namespace, key, slab.payload_bytes)
+                        if recorded is None:
                             corrupt.add(n)
                             continue
-                        digests[n] = (parsed.digest, payload_hasher(namespace, key))
+                        digests[n] = (recorded, payload_hasher(namespace, key))
                     expected, hasher = digests[n]
                     span = _body_span(first, end)
                     if span.start < slab.payload_bytes:  # the padding after the payload is not hashed

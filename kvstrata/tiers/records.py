@@ -22,6 +22,8 @@ MAGIC = b"KVSTRAT1"
 _HEADER = struct.Struct("<8sHHHQ16s")  # magic, version, key len, namespace len, payload len, digest
 VERSION = 1
 _ZEROS = bytes(HEADER_BYTES)
+_FIELDS = struct.Struct("<8sHHHQ")  # the header up to its digest
+_DIGEST = slice(_FIELDS.size, _HEADER.size)
 
 
 @functools.lru_cache(maxsize=64)
@@ -47,6 +49,19 @@ def chunk_digest(namespace: str, key: bytes, payload) -> bytes:
 def seal_header(out: memoryview, namespace: str, key: bytes, payload) -> None:
     """Write the header of this chunk's record into `out` (one `HEADER_BYTES` block)."""
     _pack(out, key, namespace, memoryview(payload).nbytes, chunk_digest(namespace, key, payload))
+
+
+def recorded_digest(header: memoryview, namespace: str, key: bytes, payload_bytes: int) -> bytes | None:
+    """The digest a record header holds if it names this chunk at this size, else None.
+
+    Why not `RecordHeader.unpack`: a promotion checks thousands of headers, and comparing
+    with the header it expects is two byte comparisons instead of a parse.
+    """
+    name = namespace.encode()
+    names = slice(_HEADER.size, _HEADER.size + len(key) + len(name))
+    if names.stop > HEADER_BYTES or header[: _FIELDS.size] != _FIELDS.pack(MAGIC, VERSION, len(key), len(name), payload_bytes):
+        return None
+    return bytes(header[_DIGEST]) if header[names] == key + name else None
 
 
 def _pack(out: memoryview, key: bytes, namespace: str, payload_bytes: int, digest: bytes) -> None:
