@@ -33,6 +33,7 @@ from kvstrata.tiers.shm import SharedMemoryFile
 logger = logging.getLogger(__name__)
 
 FILE_PREFIX = "kvstrata"
+GROW_RETRY_SECONDS = 1.0  # after a segment could not be created
 
 
 class SlotError(ValueError):
@@ -91,7 +92,9 @@ class SlotPool:
             "committed": 0,
             "duplicate_commits": 0,
             "reserve_shortfall": 0,
+            "grow_failures": 0,
         }
+        self._grow_retry_at = float("-inf")
 
     @property
     def namespace(self) -> str:
@@ -331,12 +334,28 @@ class SlotPool:
                 self.pin_slots(keeper, [slot])
 
     def _grow(self) -> bool:
+        """Add a segment within the budget; False when the budget is spent or the shared
+        memory has no room (then the pool evicts, or a reservation falls short: a miss,
+        never a crash), retried at most once per `GROW_RETRY_SECONDS`."""
+        if self.arena.clock() < self._grow_retry_at:
+            return False
         segment_index = len(self.segments)
         slots = self.arena.grant_slots(self.geometry.slot_bytes, self.geometry.slots_per_segment)
         if slots == 0:
             return False
         path = self.geometry.segment_path(segment_index)
-        segment = SharedMemoryFile.create(path, slots * self.geometry.slot_bytes, prefault=self.arena.prefault)
+        try:
+            segment = SharedMemoryFile.create(path, slots * self.geometry.slot_bytes, prefault=self.arena.prefault)
+        except OSError as exc:
+            self.arena.return_slots(self.geometry.slot_bytes, slots)
+            self.counters["grow_failures"] += 1
+            self._grow_retry_at = self.arena.clock() + GROW_RETRY_SECONDS
+            if self.counters["grow_failures"] == 1:
+                logger.error(
+                    "kvstrata arena: namespace %s cannot grow past %d slots: %s",
+                    self.namespace, self.num_slots, exc.strerror or exc,
+                )  # fmt: skip
+            return False
         self.segments.append(segment)
         first = segment_index * self.geometry.slots_per_segment
         # Hand out low slot numbers first: pop() takes from the end.
@@ -372,7 +391,7 @@ class Arena:
         self.prefault = prefault
         self.epoch = secrets.token_hex(4)
         self.leases = LeaseTable(lease_seconds, clock)
-        self._clock = clock
+        self.clock = clock
         self._allocated = 0
         self.pools: dict[str, SlotPool] = {}
         # Files of a previous store on this node: unlinked once every lease it granted
@@ -423,6 +442,10 @@ class Arena:
         self._allocated += slots * slot_bytes
         return slots
 
+    def return_slots(self, slot_bytes: int, slots: int) -> None:
+        """Give back budget granted for a segment that could not be created."""
+        self._allocated -= slots * slot_bytes
+
     def renew(self, holder: str) -> None:
         self.leases.renew(holder)
 
@@ -432,7 +455,7 @@ class Arena:
         for holder in expired:
             dropped = sum(pool.drop_holder(holder) for pool in self.pools.values())
             logger.warning("kvstrata arena: lease of %s expired; released %d slots", holder, dropped)
-        if self._stale and self._clock() >= self._stale_deadline:
+        if self._stale and self.clock() >= self._stale_deadline:
             self._remove_stale()
         return expired
 

@@ -8,6 +8,7 @@ delete the node arena under every other engine. Here only the creator unlinks.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -93,12 +94,17 @@ class SharedMemoryFile:
         """
         if size <= 0:
             raise ValueError(f"shared-memory file {path}: size must be positive, got {size}")
+        _check_room(Path(path).parent, size)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         refused = "not prefaulted"
         try:
             os.ftruncate(fd, size)
             if prefault:
                 refused = collapse_into_huge_pages(fd, size)
+                # Every page allocated now (those a collapse made cost nothing): a page the
+                # filesystem cannot give is an error here, not a SIGBUS in whichever
+                # process (an engine's worker) first touches it.
+                os.posix_fallocate(fd, 0, size)
             buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -147,6 +153,23 @@ class SharedMemoryFile:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _check_room(directory: Path, size: int) -> None:
+    """Refuse a file the filesystem has no room for, before any of it is touched.
+
+    Why: memory of a tmpfs file beyond the filesystem's free space is a SIGBUS on first
+    touch, which kills the process (the store, or an engine's worker) instead of failing
+    a call. Raises OSError(ENOSPC) naming the directory and both sizes.
+    """
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    if free < size:
+        raise OSError(
+            errno.ENOSPC,
+            f"{directory} has {free} bytes free, a new shared-memory segment needs {size} "
+            "(lower tiers.cpu.capacity or enlarge the filesystem, e.g. docker --shm-size)",
+        )
 
 
 _logged_no_huge_pages: set[Path] = set()

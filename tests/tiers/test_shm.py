@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import platform
@@ -12,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.tiers.arena import Arena
+from kvstrata.tiers.arena import GROW_RETRY_SECONDS, Arena
 from kvstrata.tiers.shm import HUGE_PAGE_BYTES, SharedMemoryFile
-from tests.utils import key
+from tests.utils import FakeClock, key
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -108,5 +109,57 @@ def test_the_arena_reports_its_huge_page_segments(shm_dir):
         stats = pool.stats()
         assert stats["segments"] == 2 and stats["huge_page_segments"] == 2
         assert all((pool.view(s) == n).all() for n, s in enumerate(slots))
+    finally:
+        arena.close()
+
+
+def no_room(free: int):
+    """A stand-in for `os.statvfs` on a filesystem with `free` bytes left."""
+
+    class Stats:
+        f_bavail, f_frsize = free // 4096, 4096
+
+    return lambda path: Stats()
+
+
+def test_a_segment_the_filesystem_has_no_room_for_is_refused_before_any_page_is_touched(shm_dir, monkeypatch):
+    # On a full tmpfs the first touch of a page is a SIGBUS that kills the process.
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "statvfs", no_room(1 << 20))
+        with pytest.raises(OSError, match=rf"{shm_dir} has 1048576 bytes free, a new shared-memory segment needs 4194304") as raised:
+            SharedMemoryFile.create(shm_dir / "seg", 4 << 20)
+    assert raised.value.errno == errno.ENOSPC
+    assert list(shm_dir.iterdir()) == []
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:  # the room went to someone else in between
+        patched.setattr(os, "posix_fallocate", full)
+        with pytest.raises(OSError, match="No space left"):
+            SharedMemoryFile.create(shm_dir / "seg", 4 << 20)
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_an_arena_without_room_to_grow_falls_short_logs_once_and_grows_when_room_is_back(shm_dir, monkeypatch, caplog):
+    clock = FakeClock()
+    arena = Arena(str(shm_dir), "n", capacity=8 * PAGE, segment_size=4 * PAGE, lease_seconds=10, clock=clock)
+    try:
+        pool = arena.pool("ns", PAGE)
+        with monkeypatch.context() as patched, caplog.at_level(logging.ERROR, logger="kvstrata.tiers.arena"):
+            patched.setattr(os, "statvfs", no_room(PAGE))
+            assert pool.reserve("a", 2) == [] and pool.reserve("a", 2) == []
+            clock.advance(GROW_RETRY_SECONDS)
+            assert pool.reserve("a", 2) == []
+        assert [r.getMessage() for r in caplog.records] == [
+            f"kvstrata arena: namespace ns cannot grow past 0 slots: {shm_dir} has {PAGE} bytes free, "
+            f"a new shared-memory segment needs {4 * PAGE} (lower tiers.cpu.capacity or enlarge the filesystem, "
+            "e.g. docker --shm-size)"
+        ]
+        stats = pool.stats()
+        assert (stats["grow_failures"], stats["reserve_shortfall"], arena.allocated_bytes) == (2, 6, 0)
+        assert len(pool.reserve("a", 2)) == 0  # within a second of the last failure: not retried
+        clock.advance(GROW_RETRY_SECONDS)
+        assert len(pool.reserve("a", 2)) == 2 and arena.allocated_bytes == 4 * PAGE
     finally:
         arena.close()
