@@ -403,7 +403,7 @@ def disk_figures(
     return [moved / s / 1e9 for s in seconds], ratios, spread
 
 
-def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads: int) -> None:
+def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads: int, sizes_kib: list[int]) -> None:
     directory = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=path or "/var/tmp")
     shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
     try:
@@ -428,7 +428,7 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
                    "cold/raw", "warm/raw", "read/raw", "w/vllm", "warm/vllm", "r/vllm"]  # fmt: skip
         print(f"{'chunk':>9} " + " ".join(f"{c:>8}" for c in columns))
         spreads = []
-        for size_kib in SIZES_KIB:
+        for size_kib in sizes_kib:
             chunk = size_kib * 1024
             count = max(threads, total_mib * 1024 * 1024 // chunk)
             writes: dict[str, list[tuple[float, ...]]] = {name: [] for name in subjects}
@@ -471,12 +471,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=4, help="disk tier: io_threads (and the references' threads)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     parser.add_argument("--reads", type=int, default=3, help="disk tier: back-to-back reads of each per round")
+    parser.add_argument(
+        "--sizes", default=",".join(map(str, SIZES_KIB)), help="disk tier: chunk sizes in KiB, comma-separated"
+    )
     args = parser.parse_args()
     if args.tier == "object":
         object_main(args.total_mib if args.total_mib != 512 else 256, args.concurrency, args.rounds)
         return
 
-    disk_main(args.path, args.total_mib, args.threads, args.rounds, args.reads)
+    disk_main(args.path, args.total_mib, args.threads, args.rounds, args.reads, [int(size) for size in args.sizes.split(",")])
 
 
 if __name__ == "__main__":
