@@ -707,7 +707,7 @@ def _in_ray_actor() -> bool:
     """Whether this is a Ray actor's process (the store's own), not a driver or a test."""
     import ray
 
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    return _in_ray() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def _in_ray() -> bool:

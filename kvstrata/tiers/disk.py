@@ -200,10 +200,10 @@ def _wait_all_quietly(futures: list[Future]) -> None:
         future.exception()
 
 
-def _write_fully(fd: int, iovecs: list[memoryview], offset: int, nbytes: int | None = None) -> None:
-    """One `pwritev` of `nbytes` (by default, all the iovecs hold); a short write is an I/O error."""
+def _write_fully(fd: int, iovecs: list[memoryview], offset: int) -> None:
+    """One `pwritev`; a short write is an I/O error."""
     written = os.pwritev(fd, iovecs, offset)
-    if written != (sum(v.nbytes for v in iovecs) if nbytes is None else nbytes):
+    if written != sum(v.nbytes for v in iovecs):
         raise OSError(errno.EIO, f"short write ({written} bytes)")
 
 
@@ -505,8 +505,7 @@ class DiskTier:
                         _write_fully(slab.fd, [headers[start]], offset)
                     else:
                         sealed[n_run].result()
-                        iovecs = [v for n in range(start, end) for v in (headers[n], memoryview(bodies[n]))]
-                        _write_fully(slab.fd, iovecs, offset, (end - start) * slab.record_bytes)
+                        _write_fully(slab.fd, [v for n in range(start, end) for v in (headers[n], memoryview(bodies[n]))], offset)
                 except OSError as exc:
                     error = exc
                     failed.update(range(start, end))

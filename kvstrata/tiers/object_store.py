@@ -54,7 +54,7 @@ from kvstrata.config import ObjectTierConfig
 from kvstrata.keys import key_name, make_key
 from kvstrata.tiers.object_clients import open_chunk_client
 from kvstrata.tiers.positions import Positions
-from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, seal_header
+from kvstrata.tiers.records import HEADER_BYTES, record_matches, seal_header
 
 logger = logging.getLogger(__name__)
 
@@ -464,9 +464,8 @@ class ObjectTier:
             return False
         self._succeeded()
         view = memoryview(data)
-        header = RecordHeader.unpack(view[:HEADER_BYTES]) if len(data) >= HEADER_BYTES else None
         payload = view[HEADER_BYTES:]
-        if header is None or payload.nbytes != out.nbytes or not header.matches(namespace, key, payload):
+        if len(data) < HEADER_BYTES or payload.nbytes != out.nbytes or not record_matches(view, namespace, key, payload):
             self._settled(batch, index, "corrupt_chunks")
             logger.warning(
                 "kvstrata object tier: chunk %s of namespace %s failed its checksum; treated as a miss",

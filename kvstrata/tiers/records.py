@@ -64,6 +64,13 @@ def recorded_digest(header: memoryview, namespace: str, key: bytes, payload_byte
     return bytes(header[_DIGEST]) if header[names] == key + name else None
 
 
+def record_matches(header: memoryview, namespace: str, key: bytes, payload) -> bool:
+    """True when `header` describes exactly these payload bytes of this chunk (the check every
+    tier makes before a chunk read back can become a hit)."""
+    expected = recorded_digest(header, namespace, key, memoryview(payload).nbytes)
+    return expected is not None and expected == chunk_digest(namespace, key, payload)
+
+
 def _pack(out: memoryview, key: bytes, namespace: str, payload_bytes: int, digest: bytes) -> None:
     """Why not field by field: a disk write seals thousands of small records per second,
     and per-header Python calls held the GIL the disk's I/O threads wait for."""
@@ -96,13 +103,3 @@ class RecordHeader:
         except UnicodeDecodeError:
             return None
         return cls(key, namespace, payload, digest)
-
-    def describes(self, namespace: str, key: bytes, payload_bytes: int) -> bool:
-        """True when this header names this chunk at this size (its digest is checked apart)."""
-        return self.key == key and self.namespace == namespace and self.payload_bytes == payload_bytes
-
-    def matches(self, namespace: str, key: bytes, payload) -> bool:
-        """True when this header describes exactly these payload bytes of this chunk."""
-        return self.describes(namespace, key, memoryview(payload).nbytes) and self.digest == chunk_digest(
-            namespace, key, payload
-        )

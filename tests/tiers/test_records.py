@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest, recorded_digest, seal_header
+from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, chunk_digest, record_matches, recorded_digest, seal_header
 from tests.utils import key
 
 
@@ -23,7 +23,8 @@ def test_a_sealed_header_names_its_chunk_and_nothing_else():
     header = sealed("model-a", key(1), payload)
     parsed = RecordHeader.unpack(header)
     assert parsed == RecordHeader(key(1), "model-a", 8192, chunk_digest("model-a", key(1), payload))
-    assert parsed.matches("model-a", key(1), payload)
+    assert record_matches(header, "model-a", key(1), payload)
+    assert not record_matches(header, "model-a", key(1), payload[::-1].copy())
     assert recorded_digest(header, "model-a", key(1), 8192) == parsed.digest
     assert recorded_digest(header, "model-b", key(1), 8192) is None
     assert recorded_digest(header, "model-a", key(2), 8192) is None
