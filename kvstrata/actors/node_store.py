@@ -684,7 +684,13 @@ def disk_job_sizes(count: int, item_bytes: int, threads: int) -> list[int]:
     middle = count - 2 * threads * edge
     if middle <= 0:
         return _even_split(count, -(-count // edge))
-    return [edge] * threads + _even_split(middle, -(-middle // big)) + [edge] * threads
+    # Whole rounds of middle jobs, one per thread each: with 7 jobs of 64 MiB over 4
+    # threads, one thread read 104 chunks of a 512 MiB request and the others 136, and sat
+    # idle for the last 15% of it (1 MiB chunks; the last `threads` small jobs cannot even
+    # out a whole job).
+    rounds = -(-middle // (big * threads))
+    between = [size for size in _even_split(middle, rounds * threads) if size]
+    return [edge] * threads + between + [edge] * threads
 
 
 def _even_split(count: int, parts: int) -> list[int]:

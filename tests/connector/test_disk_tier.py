@@ -193,7 +193,7 @@ def test_a_full_write_queue_drops_disk_writes_without_blocking(env):
 @pytest.mark.parametrize("chunk_kib", [256, 1024, 8192, 32768])
 @pytest.mark.parametrize("total_mib", [1, 40, 512, 4096])
 @pytest.mark.parametrize("threads", [1, 4, 7])
-def test_a_request_is_split_into_small_first_and_last_jobs_and_bounded_ones_between(chunk_kib, total_mib, threads):
+def test_a_request_is_split_into_small_first_and_last_jobs_and_even_rounds_of_bounded_ones_between(chunk_kib, total_mib, threads):
     chunk = chunk_kib << 10
     count = max(1, (total_mib << 20) // chunk)
     sizes = node_store_module.disk_job_sizes(count, chunk, threads)
@@ -203,7 +203,14 @@ def test_a_request_is_split_into_small_first_and_last_jobs_and_bounded_ones_betw
     assert max(sizes) <= largest
     if count >= 2 * threads * edge + 1:  # enough for small jobs at both ends and some between
         assert sizes[:threads] == sizes[-threads:] == [edge] * threads
-        assert len(sizes) <= 2 * threads + -(-count // largest) + 1  # no more jobs than needed
+        between = sizes[threads:-threads]
+        # Every thread gets as many jobs between as the others, of sizes one chunk apart, so
+        # no thread idles while another reads a whole job more (the last jobs are too small
+        # to even that out); and no more of them than that needs.
+        if len(between) >= threads:
+            assert len(between) % threads == 0
+            assert len(between) // threads == -(-sum(between) // (largest * threads))
+        assert max(between) - min(between) <= 1
     else:
         assert max(sizes) <= edge
 
