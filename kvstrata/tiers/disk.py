@@ -436,7 +436,6 @@ class DiskTier:
             self.counters["dropped_not_admitting"] += len(new) - len(records)
             todo = list(zip(new, records))
             slab.busy.update(dict.fromkeys(records, 1))
-            # Under the lock: a later batch's events must not overtake these.
             self._notify(namespace, evicted, False)
             if not todo:
                 return stored
@@ -531,6 +530,7 @@ class DiskTier:
                     written.append(key)
                     stored[i] = True
                 slab.positions.add_many(written)
+                self._notify(namespace, written, True)
         with self._lock:
             self.counters["stored"] += len(todo) - len(failed)
             if error is not None:
@@ -542,7 +542,6 @@ class DiskTier:
                         slab.path,
                         error.strerror or error,
                     )
-        self._notify(namespace, written, True)
         return stored
 
     def read_into(self, namespace: str, key: bytes, out: np.ndarray) -> bool:
@@ -689,22 +688,20 @@ class DiskTier:
         ok = [False] * len(items)
         for n, (i, _) in enumerate(todo):
             ok[i] = n in verified and n not in errors
-        dropped = []
+        reasons: dict[str, list[bytes]] = {}
         with self._lock:
             self._unbusy(slab, [record for _, record in todo])
             for n, (i, record) in enumerate(todo):
+                key = items[i][0]
                 if ok[i]:
                     self.counters["read"] += 1
-                elif slab.index.get(items[i][0]) == record:
+                elif slab.index.get(key) == record:
                     self.counters["corrupt_chunks" if n in corrupt else "read_errors"] += 1
-                    self._drop(slab, items[i][0], record)
-                    dropped.append(n)
-        reasons: dict[str, list[bytes]] = {}
-        for n in dropped:
-            key = items[todo[n][0]][0]
-            reasons.setdefault(f"unreadable ({errors[n]})" if n in errors else "failed their checksum", []).append(key)
+                    self._drop(slab, key, record)
+                    reasons.setdefault(f"unreadable ({errors[n]})" if n in errors else "failed their checksum", []).append(key)
+            for keys in reasons.values():
+                self._notify(slab.namespace, keys, False)
         for reason, keys in reasons.items():  # one line per batch and reason, not per chunk
-            self._notify(slab.namespace, keys, False)
             logger.warning(
                 "kvstrata disk tier: %d chunks of namespace %s %s, e.g. %s; dropped (misses)",
                 len(keys), slab.namespace, reason, key_name(keys[0]),
@@ -723,7 +720,7 @@ class DiskTier:
             except OSError as exc:
                 logger.warning("kvstrata disk tier: could not wipe the record of %s: %s", key_name(key), exc)
             self._drop(slab, key, record)
-        self._notify(namespace, [key], False)
+            self._notify(namespace, [key], False)
         return True
 
     def stats(self) -> dict[str, object]:
@@ -824,6 +821,10 @@ class DiskTier:
         return max(1, min(MAX_RUN, run_bytes // slab.record_bytes)) if slab.packed else 1
 
     def _notify(self, namespace: str, keys: list[bytes], present: bool) -> None:
+        """Announce an index change; callers hold the lock, so announcements (into the store's
+        change log) keep the order of the changes: a write's announcement made after the
+        lock was let go could land after a later eviction's and leave a chunk listed that
+        the disk no longer holds."""
         if self.on_change is not None and keys:
             self.on_change(namespace, keys, present)
 

@@ -141,6 +141,27 @@ def test_a_torn_write_is_never_served_even_after_restart(tmp_path, tiers):
     assert tier.read_into(NS, key(4), out) and np.array_equal(out, chunk(4))
 
 
+def test_every_index_change_is_announced_while_the_index_is_locked(tmp_path, tiers):
+    """Announcements reach the store's change log in the order of the changes: one made
+    after the lock was let go could land after a later eviction's, listing a chunk the disk
+    no longer holds."""
+    announced: list[tuple[bool, bool]] = []  # (present, lock held)
+    tier = open_tier(
+        tiers, tmp_path, capacity=2 * (CHUNK + HEADER_BYTES),
+        on_change=lambda ns, keys, present: announced.append((present, tier._lock.locked())),
+    )  # fmt: skip
+    tier.write(NS, key(1), chunk(1))
+    tier.write(NS, key(2), chunk(2))
+    tier.write(NS, key(3), chunk(3))  # evicts key 1
+    with open(slab_file(tmp_path), "r+b") as f:  # key 3 took key 1's record, the first
+        f.seek(HEADER_BYTES + 100)
+        f.write(b"\xff\x00")
+    assert not tier.read_into(NS, key(3), np.zeros(CHUNK, dtype=np.uint8))  # corrupt: dropped
+    assert tier.remove(NS, key(2))
+    assert [present for present, _ in announced] == [True, True, False, True, False, False]
+    assert all(held for _, held in announced)
+
+
 def test_capacity_holds_and_lru_chunks_go_first(tmp_path, tiers):
     capacity = 8 * (HEADER_BYTES + CHUNK)
     removed = []
