@@ -139,6 +139,24 @@ def build(workdir: Path) -> ctypes.CDLL:
     return loop
 
 
+def contiguous_shares(items: list, parts: int) -> list[list]:
+    """`items` cut into `parts` runs of neighbours, one per thread, as the tier's jobs are."""
+    return [items[t * len(items) // parts : (t + 1) * len(items) // parts] for t in range(parts)]
+
+
+def record_arguments(offsets: list[int], headers: list[int], bodies: list[int], prefixes: list[bytes]) -> tuple:
+    """One thread's per-record arguments of the C loop: (n, offsets, headers, bodies, prefixes, prefix lengths)."""
+    n = len(offsets)
+    return (
+        n,
+        (ctypes.c_longlong * n)(*offsets),
+        (ctypes.c_void_p * n)(*headers),
+        (ctypes.c_void_p * n)(*bodies),
+        (ctypes.c_char_p * n)(*prefixes),
+        (ctypes.c_longlong * n)(*map(len, prefixes)),
+    )
+
+
 class NativeReads:
     """Reads what the tier of `kv` holds with the C loop, each thread a contiguous share of the records."""
 
@@ -155,23 +173,19 @@ class NativeReads:
         """Seconds to read every chunk into fresh arena slots (and hash it, with `verify`)."""
         slab = self.kv.store.disk._slabs[NAMESPACE]
         keys = self.kv.keys
-        records = sorted((slab.index[key], i) for i, key in enumerate(keys))
-        shares = [records[t * len(records) // self.threads : (t + 1) * len(records) // self.threads] for t in range(self.threads)]
+        shares = contiguous_shares(sorted((slab.index[key], i) for i, key in enumerate(keys)), self.threads)
         slots = self.pool.reserve("probe", len(keys))
         try:
             bodies = [self.pool.view(slot) for slot in slots]
             prefixes = [NAMESPACE.encode() + key for key in keys]
             digests = np.zeros((len(keys), 16), np.uint8)
             calls = [
-                (
-                    len(share),
-                    (ctypes.c_longlong * len(share))(*[slab.offset(record) for record, _ in share]),
-                    (ctypes.c_void_p * len(share))(*[self.headers[HEADER_BYTES * i :].ctypes.data for _, i in share]),
-                    (ctypes.c_void_p * len(share))(*[bodies[i].ctypes.data for _, i in share]),
-                    (ctypes.c_char_p * len(share))(*[prefixes[i] for _, i in share]),
-                    (ctypes.c_longlong * len(share))(*[len(prefixes[i]) for _, i in share]),
-                    np.zeros((len(share), 16), np.uint8),
-                )
+                record_arguments(
+                    [slab.offset(record) for record, _ in share],
+                    [self.headers[HEADER_BYTES * i :].ctypes.data for _, i in share],
+                    [bodies[i].ctypes.data for _, i in share],
+                    [prefixes[i] for _, i in share],
+                ) + (np.zeros((len(share), 16), np.uint8),)
                 for share in shares
             ]
 
@@ -235,18 +249,15 @@ class NativeWrites:
     def write(self, seal: bool) -> float:
         """Seconds to write every record (sealing each header first, with `seal`)."""
         max_run = min(MAX_RUN, WRITE_RUN_BYTES // (HEADER_BYTES + self.body_bytes)) if self.packed else 1
-        calls = []
-        for t in range(self.threads):
-            share = range(t * self.count // self.threads, (t + 1) * self.count // self.threads)
-            n = len(share)
-            calls.append((
-                n,
-                (ctypes.c_longlong * n)(*[i * self.stride + self.lead for i in share]),
-                (ctypes.c_void_p * n)(*[self.headers[i].ctypes.data for i in share]),
-                (ctypes.c_void_p * n)(*[self.bodies[i].ctypes.data for i in share]),
-                (ctypes.c_char_p * n)(*[self.prefixes[i] for i in share]),
-                (ctypes.c_longlong * n)(*[len(self.prefixes[i]) for i in share]),
-            ))  # fmt: skip
+        calls = [
+            record_arguments(
+                [i * self.stride + self.lead for i in share],
+                [self.headers[i].ctypes.data for i in share],
+                [self.bodies[i].ctypes.data for i in share],
+                [self.prefixes[i] for i in share],
+            )
+            for share in contiguous_shares(list(range(self.count)), self.threads)
+        ]
 
         def run(call: tuple) -> None:
             n, *arrays = call
