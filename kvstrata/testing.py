@@ -131,7 +131,7 @@ def shutdown_llm(llm, timeout_s: float = ENGINE_EXIT_TIMEOUT_S) -> None:
     """
     processes = _engine_processes(llm)
     llm.llm_engine.engine_core.shutdown()
-    stop_processes(processes, timeout_s)
+    _stop_processes(processes, timeout_s)
 
 
 def _engine_processes(llm) -> list:
@@ -149,30 +149,22 @@ def _engine_processes(llm) -> list:
     return processes
 
 
-def stop_processes(processes: list, timeout_s: float) -> list:
+def _stop_processes(processes: list, timeout_s: float) -> None:
     """Wait up to `timeout_s` for `processes` (psutil handles) to exit, then kill the rest by pid.
 
-    Returns those that had to be killed. psutil checks each pid's start time, so a pid the
-    kernel has given to a new process since is never signalled.
+    psutil checks each pid's start time, so a pid the kernel has given to a new process
+    since is never signalled.
     """
     import psutil
 
     _, alive = psutil.wait_procs(processes, timeout=timeout_s)
     for process in alive:
-        logger.warning("kvstrata: engine process %d (%s) did not exit; killing it", process.pid, _name(process))
         try:
+            logger.warning("kvstrata: engine process %d (%s) did not exit; killing it", process.pid, process.name())
             process.kill()
-        except psutil.NoSuchProcess:
+        except psutil.NoSuchProcess:  # it exited after all
             pass
     psutil.wait_procs(alive, timeout=timeout_s)
-    return alive
-
-
-def _name(process) -> str:
-    try:
-        return process.name()
-    except Exception:  # noqa: BLE001 - only for the log line; it may be gone already
-        return "?"
 
 
 def run_round(llm, prompts: list[str], max_tokens: int = 16) -> list[dict[str, object]]:
