@@ -48,7 +48,7 @@ import numpy as np
 from kvstrata.actors.node_store import NodeStore, freeze_startup_heap
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.keys import make_key
-from kvstrata.tiers.disk import record_stride
+from kvstrata.tiers.disk import record_disk_bytes
 from kvstrata.tiers.shm import SharedMemoryFile
 
 SIZES_KIB = [256, 1024, 2048, 8192, 32768]
@@ -169,7 +169,7 @@ class KvstrataDisk:
                 "cpu": {"capacity": chunk * (count + 4), "segment_size": 256 << 20, "shm_dir": shm_dir},
                 "disk": {
                     "path": disk_dir,
-                    "capacity": record_stride(chunk) * count,
+                    "capacity": record_disk_bytes(chunk) * count,
                     "io_threads": threads,
                     "queue_depth": count,
                 },

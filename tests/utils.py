@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 
 from kvstrata.keys import Layout, make_key
+from kvstrata.tiers.records import HEADER_BYTES
 
 
 class FakeClock:
@@ -94,3 +96,23 @@ def crowd_out(pool, evict: int, holder: str = "another-engine") -> list[int]:
     taken = pool.reserve(holder, wanted)
     assert len(taken) == wanted, f"reserved {len(taken)} of {wanted} slots: too many pinned"
     return taken
+
+
+def flip_disk_payload_bytes(directory: str | Path, stride: int, at: int = 7, key: bytes | None = None) -> int:
+    """Flip one payload byte (`at` bytes into it) of every record a disk tier's directory holds,
+    or only of the record whose header names `key`. Returns how many records were hit."""
+    flipped = 0
+    for payloads in Path(directory).glob("*.payloads"):
+        headers = payloads.with_suffix(".headers").read_bytes()
+        if key is None:
+            records = range(len(headers) // HEADER_BYTES)
+        else:
+            records = [headers.index(key) // HEADER_BYTES] if key in headers else []
+        with open(payloads, "r+b") as f:
+            for record in records:
+                f.seek(record * stride + at)
+                byte = f.read(1)
+                f.seek(record * stride + at)
+                f.write(bytes([byte[0] ^ 0x5A]))
+        flipped += len(records)
+    return flipped

@@ -17,7 +17,7 @@ from kvstrata.connector.manager import StrataManager
 from kvstrata.tiers import disk as disk_module
 from kvstrata.tiers.disk import HEADER_BYTES
 from tests.connector.harness import SLOT, ctx, step, store_chunks
-from tests.utils import key, layout, store_config
+from tests.utils import flip_disk_payload_bytes, key, layout, store_config
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 
@@ -107,10 +107,7 @@ def test_a_corrupt_disk_chunk_is_a_miss_and_counted(env, tmp_path):
     assert store.wait_io(10)
     push_out_of_arena(store, writer, [key(1)])
     assert store.wait_io(10)
-    (slab,) = (tmp_path / "disk").glob("*.slab")
-    raw = bytearray(slab.read_bytes())
-    raw[HEADER_BYTES + 10] ^= 0xFF  # first record's payload: key(1) was written first
-    slab.write_bytes(bytes(raw))
+    assert flip_disk_payload_bytes(tmp_path / "disk", stride=SLOT, key=key(1)) == 1
 
     reader = make_manager(store, cfg, "reader")
     results = []

@@ -35,7 +35,7 @@ from kvstrata.keys import key_group, key_name, make_key
 from kvstrata.tiers.changelog import CPU, OBJECT, STORAGE
 from kvstrata.tiers.disk import HEADER_BYTES
 from tests.connector.harness import SLOT, offloading_config, step
-from tests.utils import crowd_out, store_config
+from tests.utils import crowd_out, flip_disk_payload_bytes, store_config
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 PAGE = 2048  # two tensors of PAGE bytes per block: SLOT (4096) per chunk
@@ -264,11 +264,7 @@ def test_a_window_chunk_that_fails_its_checksum_is_a_miss_never_a_hit(node, tmp_
     store.close()
     keys = writer.keys("prompt")
     broken = make_key(chunk_hash("prompt", POSITIONS - 1), 1)  # the window's last chunk
-    (slab,) = (tmp_path / "disk").glob("*.slab")
-    raw = bytearray(slab.read_bytes())
-    payload = raw.index(broken) // (SLOT + HEADER_BYTES) * (SLOT + HEADER_BYTES) + HEADER_BYTES
-    raw[payload + 7] ^= 0xFF
-    slab.write_bytes(bytes(raw))
+    assert flip_disk_payload_bytes(tmp_path / "disk", stride=SLOT, key=broken) == 1
 
     store, cfg = new_store(disk_dir="disk")
     engine = new_engine(store, cfg, holder="reader")

@@ -9,9 +9,9 @@ import ray
 
 from kvstrata.actors.client import get_node_store
 from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
-from kvstrata.tiers.disk import HEADER_BYTES
 from tests.e2e.configs import arena_and_disk
 from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
+from tests.utils import flip_disk_payload_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -57,12 +57,7 @@ def test_corrupt_disk_chunks_are_misses_and_the_output_stays_right(engine, disk_
     # Push prompt 0 out of the arena, then flip one byte in every record on disk.
     run_round(engine, PROMPTS[1:])
     assert ray.get(store.wait_io.remote(30))
-    for slab in disk_dir.glob("*.slab"):
-        raw = bytearray(slab.read_bytes())
-        record = HEADER_BYTES + SLOT
-        for offset in range(HEADER_BYTES + 7, len(raw), record):
-            raw[offset] ^= 0x5A
-        slab.write_bytes(bytes(raw))
+    assert flip_disk_payload_bytes(disk_dir, stride=SLOT) >= 1
     result = run_round(engine, PROMPTS[:1])
     stats = ray.get(store.stats.remote())
     assert stats["disk"]["corrupt_chunks"] >= 1

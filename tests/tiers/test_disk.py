@@ -79,37 +79,57 @@ def test_a_restarted_tier_serves_what_is_on_disk(tmp_path, tiers, direct_io):
     assert sorted(second.keys(NS)) == sorted(key(i) for i in range(4))
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert second.read_into(NS, key(2), out) and np.array_equal(out, chunk(2))
-    size = os.path.getsize(slab_file(tmp_path))
+    size = disk_bytes(tmp_path)
     assert second.write(NS, key(10), chunk(10))  # and keeps admitting, into records it reserved
-    assert os.path.getsize(slab_file(tmp_path)) == size == second.stats()["allocated"] <= 64 * CHUNK
+    assert disk_bytes(tmp_path) == size == second.stats()["allocated"] <= 64 * CHUNK
 
 
-def call_sizes(monkeypatch, name: str) -> list[int]:
-    """Bytes each os.<name> (preadv or pwritev) call moves from now on."""
-    sizes: list[int] = []
+def file_kind(fd: int) -> str:
+    """"payloads" or "headers": which of a slab's files `fd` is."""
+    return os.readlink(f"/proc/self/fd/{fd}").rpartition(".")[2]
+
+
+def call_sizes(monkeypatch, name: str, kind: str | None = "payloads") -> list:
+    """Bytes each os.<name> (preadv or pwritev) call moves from now on, on the slab files of
+    `kind` ("payloads" or "headers"), or (kind, bytes) of every call with `kind=None`."""
+    sizes: list = []
     real = getattr(os, name)
 
     def counted(fd, buffers, offset):
-        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        size = sum(memoryview(b).nbytes for b in buffers)
+        if kind is None:
+            sizes.append((file_kind(fd), size))
+        elif file_kind(fd) == kind:
+            sizes.append(size)
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, name, counted)
     return sizes
 
 
-def slab_file(tmp_path):
-    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".slab"]
+def payload_file(tmp_path):
+    (path,) = tmp_path.glob("*.payloads")
     return path
+
+
+def header_file(tmp_path):
+    (path,) = tmp_path.glob("*.headers")
+    return path
+
+
+def disk_bytes(tmp_path) -> int:
+    """What the tier's files take on disk, payloads and headers."""
+    return sum(p.stat().st_size for p in [*tmp_path.glob("*.payloads"), *tmp_path.glob("*.headers")])
 
 
 def test_a_flipped_byte_is_a_miss_a_counter_and_a_quarantine(tmp_path, tiers):
     tier = open_tier(tiers, tmp_path)
     tier.write(NS, key(1), chunk(1))
     tier.write(NS, key(2), chunk(2))
-    with open(slab_file(tmp_path), "r+b") as f:
-        f.seek(HEADER_BYTES + 100)  # inside the first record's payload
+    with open(payload_file(tmp_path), "r+b") as f:
+        f.seek(100)  # inside the first record's payload
         byte = f.read(1)
-        f.seek(HEADER_BYTES + 100)
+        f.seek(100)
         f.write(bytes([byte[0] ^ 0x01]))
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert not tier.read_into(NS, key(1), out)
@@ -124,15 +144,17 @@ def test_a_torn_write_is_never_served_even_after_restart(tmp_path, tiers):
         tier.write(NS, key(i), chunk(i))
     tier.remove(NS, key(3))  # record 1 is free again ...
     tier.close()
-    # ... and a crash hits while key(2) is being written there: its header made it,
-    # half its payload did not (the rest is key(3)'s old bytes).
+    # ... and a power cut hits while key(2) is being written there: its header reached the
+    # disk, half its payload (written first, not yet flushed) did not: the rest is key(3)'s.
     donor = open_tier(tiers, tmp_path / "donor", direct_io=False)
     donor.write(NS, key(2), chunk(2))
     donor.close()
-    record = slab_file(tmp_path / "donor").read_bytes()
-    with open(slab_file(tmp_path), "r+b") as f:
-        f.seek(HEADER_BYTES + CHUNK)
-        f.write(record[: HEADER_BYTES + CHUNK // 2])
+    with open(header_file(tmp_path), "r+b") as f:
+        f.seek(HEADER_BYTES)
+        f.write(header_file(tmp_path / "donor").read_bytes()[:HEADER_BYTES])
+    with open(payload_file(tmp_path), "r+b") as f:
+        f.seek(CHUNK)
+        f.write(payload_file(tmp_path / "donor").read_bytes()[: CHUNK // 2])
     tier = open_tier(tiers, tmp_path, direct_io=False)
     assert tier.contains(NS, key(2))  # the header looks fine ...
     assert not tier.read_into(NS, key(2), np.zeros(CHUNK, dtype=np.uint8))  # ... the digest does not
@@ -153,8 +175,8 @@ def test_every_index_change_is_announced_while_the_index_is_locked(tmp_path, tie
     tier.write(NS, key(1), chunk(1))
     tier.write(NS, key(2), chunk(2))
     tier.write(NS, key(3), chunk(3))  # evicts key 1
-    with open(slab_file(tmp_path), "r+b") as f:  # key 3 took key 1's record, the first
-        f.seek(HEADER_BYTES + 100)
+    with open(payload_file(tmp_path), "r+b") as f:  # key 3 took key 1's record, the first
+        f.seek(100)
         f.write(b"\xff\x00")
     assert not tier.read_into(NS, key(3), np.zeros(CHUNK, dtype=np.uint8))  # corrupt: dropped
     assert tier.remove(NS, key(2))
@@ -201,7 +223,7 @@ def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers, monkeypatch):
     monkeypatch.setattr(disk_module, "GROW_MIN_BYTES", HEADER_BYTES + CHUNK)  # grow one record at a time
     tier = open_tier(tiers, tmp_path, capacity=1 << 30, direct_io=False)
     assert tier.write(NS, key(0), chunk(0))
-    limit = os.path.getsize(slab_file(tmp_path)) + CHUNK  # room for less than one more record
+    limit = os.path.getsize(payload_file(tmp_path)) + CHUNK // 2  # room for less than one more payload
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
@@ -254,8 +276,8 @@ def test_batches_fail_chunk_by_chunk(tmp_path, tiers, direct_io):
     tier = open_tier(tiers, tmp_path, direct_io=direct_io)
     items = [(key(i), chunk(i)) for i in range(6)]
     assert tier.write_many(NS, items) == [True] * 6
-    with open(slab_file(tmp_path), "r+b") as f:  # corrupt the middle record of the run
-        f.seek(3 * (HEADER_BYTES + CHUNK) + HEADER_BYTES + 1)
+    with open(payload_file(tmp_path), "r+b") as f:  # corrupt the middle record of the run
+        f.seek(3 * CHUNK + 1)
         f.write(b"\xff\xfe")
     outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in range(7)]
     result = tier.read_many(NS, [(key(i), outs[i]) for i in range(6)] + [(key(42), outs[6])])
@@ -268,9 +290,9 @@ def test_batches_fail_chunk_by_chunk(tmp_path, tiers, direct_io):
 def test_the_chunks_a_batch_drops_are_logged_once(tmp_path, tiers, caplog):
     tier = open_tier(tiers, tmp_path)
     assert all(tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)]))
-    with open(slab_file(tmp_path), "r+b") as f:
+    with open(payload_file(tmp_path), "r+b") as f:
         for record in (1, 2):
-            f.seek(record * (HEADER_BYTES + CHUNK) + HEADER_BYTES + 7)
+            f.seek(record * CHUNK + 7)
             f.write(b"\xff\xfe")
     outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in range(4)]
     with caplog.at_level(logging.WARNING, logger=disk_module.__name__):
@@ -329,14 +351,15 @@ def test_evicting_a_full_attention_chunk_drops_the_other_groups_at_its_position(
 
 def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path, tiers, monkeypatch):
     """Reads keep few requests queued (READ_RUN_BYTES per call); every chunk still verifies."""
-    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 3 * (CHUNK + HEADER_BYTES))
+    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 3 * CHUNK)
     tier = open_tier(tiers, tmp_path)
     keys = [key(i) for i in range(10)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
-    sizes = call_sizes(monkeypatch, "preadv")
+    sizes = call_sizes(monkeypatch, "preadv", kind=None)
     outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
     assert all(tier.read_many(NS, list(zip(keys, outs))))
-    assert sizes == [3 * (CHUNK + HEADER_BYTES)] * 3 + [CHUNK + HEADER_BYTES]
+    # The headers first, in one call; then the payloads.
+    assert sizes == [("headers", 10 * HEADER_BYTES)] + [("payloads", 3 * CHUNK)] * 3 + [("payloads", CHUNK)]
     for i, out in enumerate(outs):
         assert np.array_equal(out, chunk(i))
 
@@ -373,7 +396,7 @@ def test_a_read_never_leaves_a_sliver_of_a_record_for_a_call_of_its_own():
 def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, monkeypatch, direct_io):
     """Records bigger than READ_RUN_BYTES are read in pieces and hashed as each piece lands:
     every byte still counts, wherever a flipped byte or a torn end falls."""
-    record = CHUNK + HEADER_BYTES
+    record = CHUNK
     monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 8192)
     monkeypatch.setattr(disk_module, "LAST_READ_BYTES", 4096)
     tier = open_tier(tiers, tmp_path, direct_io=direct_io)
@@ -384,7 +407,7 @@ def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, 
     assert all(tier.read_many(NS, list(zip(keys, outs))))
     assert max(sizes) == 8192 and sum(sizes) == 3 * record and sizes[-1] == 4096
     assert all(np.array_equal(out, chunk(i)) for i, out in enumerate(outs))
-    with open(slab_file(tmp_path), "r+b") as f:
+    with open(payload_file(tmp_path), "r+b") as f:
         f.seek(2 * record - 10)  # the last bytes of record 1: not in the piece holding its header
         f.write(b"\xff\xfe\xfd")
         f.truncate(2 * record + 8192)  # record 2 torn after its first piece
@@ -397,14 +420,17 @@ def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, 
 
 
 def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verified(tmp_path, tiers, monkeypatch):
-    """Writes start short and double up to WRITE_RUN_BYTES while the digest threads seal the next run."""
-    monkeypatch.setattr(disk_module, "FIRST_WRITE_RUN_BYTES", CHUNK + HEADER_BYTES)
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 4 * (CHUNK + HEADER_BYTES))
+    """Writes start short and double up to WRITE_RUN_BYTES while the digest threads seal the
+    next run; each run's headers go out in one call after its payloads, and after the next run's."""
+    monkeypatch.setattr(disk_module, "FIRST_WRITE_RUN_BYTES", CHUNK)
+    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 4 * CHUNK)
     tier = open_tier(tiers, tmp_path)
-    sizes = call_sizes(monkeypatch, "pwritev")
+    sizes = call_sizes(monkeypatch, "pwritev", kind=None)
     keys = [key(i) for i in range(10)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
-    assert sizes == [n * (CHUNK + HEADER_BYTES) for n in (1, 2, 4, 3)]
+    payloads = [("payloads", n * CHUNK) for n in (1, 2, 4, 3)]
+    headers = [("headers", n * HEADER_BYTES) for n in (1, 2, 4, 3)]
+    assert sizes == [payloads[0], payloads[1], headers[0], payloads[2], headers[1], payloads[3], headers[2], headers[3]]
     tier.close()
     again = open_tier(tiers, tmp_path)  # every record's header and digest made it to disk
     outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in keys]
@@ -414,13 +440,13 @@ def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verifie
 
 
 def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monkeypatch):
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * (CHUNK + HEADER_BYTES))
+    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * CHUNK)
     tier = open_tier(tiers, tmp_path, direct_io=False)
     real_pwritev = os.pwritev
     calls = []
 
     def failing_second(fd, buffers, offset):
-        calls.append(offset)
+        calls.append(file_kind(fd))
         if len(calls) == 2:
             raise OSError(5, "Input/output error")
         return real_pwritev(fd, buffers, offset)
@@ -428,7 +454,8 @@ def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monk
     monkeypatch.setattr(os, "pwritev", failing_second)
     stored = tier.write_many(NS, [(key(i), chunk(i)) for i in range(6)])
     assert stored == [True, True, False, False, False, False]
-    assert len(calls) == 2, "nothing is written after a failed run"
+    # The second run's payloads fail; the first run's headers still go out, nothing after.
+    assert calls == ["payloads", "payloads", "headers"]
     assert tier.keys(NS) == [key(0), key(1)] and tier.stats()["write_errors"] == 1
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert tier.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
@@ -440,15 +467,24 @@ def test_a_slab_grows_ahead_in_steps_allocated_before_they_are_written(tmp_path,
     monkeypatch.setattr(disk_module, "GROW_MIN_BYTES", 4 * record)
     grown = []
     real_fallocate = os.posix_fallocate
-    monkeypatch.setattr(os, "posix_fallocate", lambda fd, start, size: (grown.append((start, size)), real_fallocate(fd, start, size))[1])
+
+    def fallocate(fd, start, size):
+        grown.append((file_kind(fd), start // HEADER_BYTES, size // HEADER_BYTES))  # in pages
+        real_fallocate(fd, start, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+
+    def steps(*records):  # payloads (4 pages each) and their headers (1 page each)
+        return [grown for first, end in records for grown in [("payloads", 4 * first, 4 * (end - first)), ("headers", first, end - first)]]
+
     tier = open_tier(tiers, tmp_path, capacity=10 * record)
     assert all(tier.write_many(NS, [(key(i), chunk(i)) for i in range(3)]))
     assert tier.write(NS, key(3), chunk(3))  # a reserved record: nothing to grow
-    assert grown == [(0, 4 * record)] and tier.stats()["allocated"] == 4 * record
+    assert grown == steps((0, 4)) and tier.stats()["allocated"] == 4 * record
     assert tier.write(NS, key(4), chunk(4))
     assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(5, 10)]) == [True] * 5
-    assert grown == [(0, 4 * record), (4 * record, 4 * record), (8 * record, 2 * record)]  # the last step: what capacity allows
-    assert os.path.getsize(slab_file(tmp_path)) == tier.stats()["allocated"] == 10 * record
+    assert grown == steps((0, 4), (4, 8), (8, 10))  # the last step: what capacity allows
+    assert disk_bytes(tmp_path) == tier.stats()["allocated"] == 10 * record
     tier.close()
     again = open_tier(tiers, tmp_path, capacity=10 * record)
     outs = [np.zeros(CHUNK, dtype=np.uint8) for _ in range(10)]
@@ -471,7 +507,7 @@ def test_a_filesystem_that_cannot_allocate_ahead_still_stores(tmp_path, tiers, m
 
 
 def test_a_disk_too_full_to_allocate_new_records_stores_nothing_of_the_batch(tmp_path, tiers, monkeypatch):
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * (CHUNK + HEADER_BYTES))
+    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * CHUNK)
     tier = open_tier(tiers, tmp_path)
 
     def full(fd, start, size):
@@ -481,7 +517,7 @@ def test_a_disk_too_full_to_allocate_new_records_stores_nothing_of_the_batch(tmp
     assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(5)]) == [False] * 5
     stats = tier.stats()
     assert stats["write_errors"] == 1 and stats["admitting"] is False and tier.keys(NS) == []
-    assert os.path.getsize(slab_file(tmp_path)) == 0
+    assert disk_bytes(tmp_path) == 0
 
 
 def test_a_namespace_gets_room_from_another_ones_unused_reservation(tmp_path, tiers, caplog):
@@ -492,13 +528,13 @@ def test_a_namespace_gets_room_from_another_ones_unused_reservation(tmp_path, ti
     with caplog.at_level("INFO", logger="kvstrata.tiers.disk"):
         assert all(tier.write_many("model-b", [(key(i), chunk(i)) for i in range(1, 6)]))
     assert sum("given back for namespace model-b" in r.message for r in caplog.records) == 1
-    assert sum(p.stat().st_size for p in tmp_path.glob("*.slab")) == tier.stats()["allocated"] <= 10 * record
+    assert disk_bytes(tmp_path) == tier.stats()["allocated"] <= 10 * record
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert tier.read_into("model-a", key(0), out) and np.array_equal(out, chunk(0))
     assert tier.read_into("model-b", key(5), out) and np.array_equal(out, chunk(5))
     tier.close()
     again = open_tier(tiers, tmp_path, capacity=10 * record)  # what is on disk is what was counted
-    assert again.stats()["allocated"] == sum(p.stat().st_size for p in tmp_path.glob("*.slab"))
+    assert again.stats()["allocated"] == disk_bytes(tmp_path)
     assert again.read_into("model-a", key(0), out) and np.array_equal(out, chunk(0))
 
 
@@ -540,42 +576,43 @@ def test_a_verification_that_fails_to_run_is_a_miss_not_a_crash(tmp_path, tiers,
 def aligned(monkeypatch):
     """Test-sized chunks get the layout large ones get: payloads on 64 KiB boundaries."""
     monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", CHUNK)
-    return 64 << 10  # stride: the 60 KiB gap, the header and the 16 KiB payload, rounded up to 64 KiB
+    return 64 << 10  # stride: the 16 KiB payload and its 48 KiB gap
 
 
 def test_large_chunks_start_on_aligned_boundaries_and_survive_a_restart(tmp_path, tiers, monkeypatch, aligned, direct_io):
-    stride = 2 * aligned
-    tier = open_tier(tiers, tmp_path, capacity=4 * stride, direct_io=direct_io)
-    writes = call_sizes(monkeypatch, "pwritev")
+    stride = aligned
+    record = stride + HEADER_BYTES  # what capacity counts
+    tier = open_tier(tiers, tmp_path, capacity=4 * record, direct_io=direct_io)
+    writes = call_sizes(monkeypatch, "pwritev", kind=None)
     assert tier.write_many(NS, [(key(i), page_aligned_chunk(i)) for i in range(4)]) == [True] * 4
-    # Records that do not touch on disk are written one by one; the first one's payload goes
-    # out while its digest is computed, its header after.
-    assert writes == [CHUNK, HEADER_BYTES] + [HEADER_BYTES + CHUNK] * 3
-    path = slab_file(tmp_path)
-    assert path.name.endswith(f"-{CHUNK}-a{aligned}.slab")
+    # Records that do not touch on disk are written one by one, each header after the next payload.
+    payload, header = ("payloads", CHUNK), ("headers", HEADER_BYTES)
+    assert writes == [payload, payload, header, payload, header, payload, header, header]
+    path = payload_file(tmp_path)
+    assert path.name.endswith(f"-{CHUNK}-a{aligned}.payloads")
     data = path.read_bytes()
-    for record in range(4):  # the write order gave key i record i
-        assert data[record * stride + aligned : record * stride + aligned + CHUNK] == chunk(record).tobytes()
+    for record_index in range(4):  # the write order gave key i record i
+        assert data[record_index * stride : record_index * stride + CHUNK] == chunk(record_index).tobytes()
     assert tier.write(NS, key(4), chunk(4))  # full: the least recently used goes
-    assert os.path.getsize(path) == tier.stats()["allocated"] == 4 * stride
+    assert disk_bytes(tmp_path) == tier.stats()["allocated"] == 4 * record
     assert not tier.contains(NS, key(0))
     tier.close()
     monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", 1 << 20)  # the layout comes from the file name
-    again = open_tier(tiers, tmp_path, capacity=4 * stride, direct_io=direct_io)
+    again = open_tier(tiers, tmp_path, capacity=4 * record, direct_io=direct_io)
     reads = call_sizes(monkeypatch, "preadv")
     outs = {i: np.zeros(CHUNK, dtype=np.uint8) for i in range(1, 5)}
     assert again.read_many(NS, [(key(i), out) for i, out in outs.items()]) == [True] * 4
-    assert all(size <= HEADER_BYTES + CHUNK for size in reads), "a read never spans the gap between records"
+    assert all(size <= CHUNK for size in reads), "a read never spans the gap between payloads"
     assert all(np.array_equal(out, chunk(i)) for i, out in outs.items())
     with open(path, "r+b") as f:  # key 2 is still in record 2: flip a byte of its payload
-        f.seek(2 * stride + aligned + 100)
-        f.write(b"\xff" if data[2 * stride + aligned + 100] != 0xFF else b"\x00")
+        f.seek(2 * stride + 100)
+        f.write(b"\xff" if data[2 * stride + 100] != 0xFF else b"\x00")
     assert not again.read_into(NS, key(2), np.zeros(CHUNK, dtype=np.uint8))
     assert again.stats()["corrupt_chunks"] == 1
 
 
 def test_a_packed_slab_written_before_keeps_serving_and_storing(tmp_path, tiers, monkeypatch):
-    """Slabs from before the aligned layout keep their name and layout; nothing is lost."""
+    """Slabs keep the layout their name says, whatever new slabs would get; nothing is lost."""
     first = open_tier(tiers, tmp_path)
     assert all(first.write_many(NS, [(key(i), chunk(i)) for i in range(3)]))
     first.close()
@@ -584,29 +621,58 @@ def test_a_packed_slab_written_before_keeps_serving_and_storing(tmp_path, tiers,
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert again.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
     assert again.write(NS, key(3), chunk(3))
-    assert slab_file(tmp_path).name == f"{NS}-{CHUNK}.slab"  # still the one packed slab
+    assert payload_file(tmp_path).name == f"{NS}-{CHUNK}.payloads"  # still the one packed slab
     assert again.read_into(NS, key(3), out) and np.array_equal(out, chunk(3))
 
 
-def test_a_crash_between_a_large_records_payload_and_its_header_is_never_served(tmp_path, tiers, monkeypatch, aligned):
-    """A batch's first large record is written payload first, header last: a crash in
-    between leaves the old header over the new payload, which fails its digest."""
-    tier = open_tier(tiers, tmp_path, capacity=2 * aligned)  # one record
+def test_a_crash_between_a_runs_payloads_and_its_headers_is_never_served(tmp_path, tiers, monkeypatch):
+    """Payloads go out before their headers: a crash in between leaves the old header over
+    the new payload, which fails its digest."""
+    tier = open_tier(tiers, tmp_path, capacity=CHUNK + HEADER_BYTES)  # one record
     assert tier.write(NS, key(1), chunk(1))
     real = disk_module._write_fully
-    writes: list[int] = []
+    writes: list[tuple[str, int]] = []
 
     def crash_at_the_header(fd, iovecs, offset):
-        writes.append(sum(v.nbytes for v in iovecs))
-        if writes[-1] == HEADER_BYTES:
+        writes.append((file_kind(fd), sum(v.nbytes for v in iovecs)))
+        if writes[-1][0] == "headers":
             raise OSError(5, "the store was killed here")
         real(fd, iovecs, offset)
 
     monkeypatch.setattr(disk_module, "_write_fully", crash_at_the_header)
     assert not tier.write(NS, key(2), page_aligned_chunk(2))  # key(1) was evicted for it
-    assert writes == [CHUNK, HEADER_BYTES]
+    assert writes == [("payloads", CHUNK), ("headers", HEADER_BYTES)]
     tier.close()
-    again = open_tier(tiers, tmp_path, capacity=2 * aligned)
+    again = open_tier(tiers, tmp_path, capacity=CHUNK + HEADER_BYTES)
     assert again.keys(NS) == [key(1)]  # the old header is still there ...
     assert not again.read_into(NS, key(1), np.zeros(CHUNK, dtype=np.uint8))  # ... over key(2)'s payload
     assert again.stats()["corrupt_chunks"] == 1 and again.keys(NS) == []
+
+
+def test_slab_files_of_the_one_file_layout_are_removed_at_start_up(tmp_path, tiers, caplog):
+    """A `[header | payload]` slab from before the header files holds nothing this store
+    reads; left there it would take disk nobody's capacity counts."""
+    old = tmp_path / f"{NS}-{CHUNK}.slab"
+    old.write_bytes(b"\xa5" * (3 * (HEADER_BYTES + CHUNK)))
+    (tmp_path / "notes.txt").write_text("an operator's file")
+    with caplog.at_level(logging.WARNING, logger=disk_module.__name__):
+        tier = open_tier(tiers, tmp_path)
+    assert not old.exists() and (tmp_path / "notes.txt").exists()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == disk_module.__name__]
+    assert "removed 1 slab files of an earlier layout" in line
+    assert tier.stats()["allocated"] == 0 and tier.keys(NS) == []
+    assert tier.write(NS, key(1), chunk(1))
+
+
+def test_records_past_the_end_of_a_cut_short_header_file_are_empty_and_reused(tmp_path, tiers, direct_io):
+    first = open_tier(tiers, tmp_path, direct_io=direct_io)
+    assert all(first.write_many(NS, [(key(i), chunk(i)) for i in range(4)]))
+    first.close()
+    os.truncate(header_file(tmp_path), 2 * HEADER_BYTES)  # the headers of records 2 and 3 are lost
+    again = open_tier(tiers, tmp_path, direct_io=direct_io)
+    assert sorted(again.keys(NS)) == sorted([key(0), key(1)])
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    assert again.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
+    assert all(again.write_many(NS, [(key(i), chunk(i)) for i in range(10, 12)]))
+    for i in (0, 1, 10, 11):
+        assert again.read_into(NS, key(i), out) and np.array_equal(out, chunk(i)), i
