@@ -78,7 +78,7 @@ class CpuTierConfig(_Strict):
 
 
 class DiskTierConfig(_Strict):
-    """Local NVMe: checksummed records in one slab file per namespace, restart-safe."""
+    """Local NVMe: checksummed records in one slab (a payload file and a header file) per namespace, restart-safe."""
 
     path: str = Field(description="directory of this node's slab files; one store per directory")
     capacity: ByteSize = Field(gt=0, description="bytes of records on disk at most")

@@ -8,7 +8,7 @@ Invariants:
   incompatible layouts apart, `hh` (the hash's first byte) fans objects out over 256
   prefixes so no S3 prefix gets hot, and the group index survives. Each namespace has
   `<root>/<namespace>/manifest.json` describing its layout, for tools.
-- An object is `[4 KiB record header | payload]` (the disk tier's record format): every
+- An object is `[4 KiB record header | payload]` (the disk tier's record header): every
   read is checked against the header's xxh3-128 of namespace ‖ key ‖ payload before
   its bytes are handed out; a mismatch is a miss and a `corrupt_chunks` count.
 - No call waits without bound: S3 requests carry connect/read timeouts and at most

@@ -1,10 +1,11 @@
-"""The self-describing chunk record every persistent tier writes: `[header | payload]`.
+"""The self-describing chunk record every persistent tier writes: a header and its payload.
 
 The header names the key, the namespace and the payload length and carries an
 xxh3-128 digest of namespace ‖ key ‖ payload, so a chunk read back from a disk slab,
 an object store or a peer is checked before it can become a hit, and a record that
 landed under the wrong name is never mistaken for another chunk. It is one 4 KiB
-block so disk records stay O_DIRECT-aligned.
+block so disk records stay O_DIRECT-aligned. An object holds `[header | payload]`; the
+disk keeps headers in a file beside the payloads.
 """
 
 from __future__ import annotations
