@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvstrata.keys import Layout, make_key
+from kvstrata.tiers.disk import HEADERS_SUFFIX, PAYLOADS_SUFFIX
 from kvstrata.tiers.records import HEADER_BYTES
 
 
@@ -102,8 +103,8 @@ def flip_disk_payload_bytes(directory: str | Path, stride: int, at: int = 7, key
     """Flip one payload byte (`at` bytes into it) of every record a disk tier's directory holds,
     or only of the record whose header names `key`. Returns how many records were hit."""
     flipped = 0
-    for payloads in Path(directory).glob("*.payloads"):
-        headers = payloads.with_suffix(".headers").read_bytes()
+    for payloads in Path(directory).glob(f"*{PAYLOADS_SUFFIX}"):
+        headers = payloads.with_suffix(HEADERS_SUFFIX).read_bytes()
         if key is None:
             records = range(len(headers) // HEADER_BYTES)
         else:

@@ -76,8 +76,8 @@ READ_RUN_BYTES = 8 << 20
 # (measured at 32 MiB chunks: waiting for whole-record digests cost ~10% of read speed).
 LAST_READ_BYTES = 1 << 20
 WRITE_RUN_BYTES = 32 << 20
-RECOVERY_READ_BYTES = 4 << 20  # headers read per call at start-up
 FIRST_WRITE_RUN_BYTES = 1 << 20
+RECOVERY_READ_BYTES = 4 << 20  # headers read per call at start-up
 # A slab's file grows by a quarter of its size, within these bounds (and the capacity).
 GROW_MIN_BYTES = 1 << 30
 GROW_MAX_BYTES = 8 << 30
@@ -190,12 +190,6 @@ def _read_pieces(
     return pieces
 
 
-def _done() -> Future:
-    future: Future = Future()
-    future.set_result(None)
-    return future
-
-
 def _wait_all(futures: list[Future]) -> None:
     """Wait for every future, then raise the first failure, if any."""
     _wait_all_quietly(futures)
@@ -206,6 +200,15 @@ def _wait_all(futures: list[Future]) -> None:
 def _wait_all_quietly(futures: list[Future]) -> None:
     for future in futures:
         future.exception()
+
+
+def _read(fd: int, iovecs: list[memoryview], offset: int) -> tuple[int, str]:
+    """One `preadv`: the bytes it read, and why it read fewer than asked, if it did.
+    An I/O error reads nothing: the records it touched are misses, not a crash."""
+    try:
+        return os.preadv(fd, iovecs, offset), "short read"
+    except OSError as exc:
+        return 0, exc.strerror or str(exc)
 
 
 def _write_fully(fd: int, iovecs: list[memoryview], offset: int) -> None:
@@ -232,9 +235,9 @@ class _Slab:
         self.body_bytes = align_up(payload_bytes)  # what one record's payload I/O moves
         # Record r's payload starts at r * stride, on an `alignment` boundary; records of a
         # packed slab touch, so neighbours share a call.
-        self.stride = align_up(self.body_bytes, alignment)
+        self.stride = _payload_stride(payload_bytes, alignment)
         self.packed = self.stride == self.body_bytes
-        self.record_cost = self.stride + HEADER_BYTES  # disk bytes per record: what `capacity` counts
+        self.record_cost = HEADER_BYTES + self.stride  # disk bytes per record: what `capacity` counts
         self.policy = policy
         self.fd, self.direct = _open(path, direct_io)
         try:
@@ -317,10 +320,14 @@ def payload_alignment(payload_bytes: int) -> int:
     return PAYLOAD_ALIGNMENT if payload_bytes >= ALIGNED_FROM_BYTES else SLOT_ALIGNMENT
 
 
-def record_disk_bytes(payload_bytes: int, alignment: int | None = None) -> int:
-    """Disk bytes one chunk takes (what `capacity` counts): its header and its payload's stride."""
-    alignment = payload_alignment(payload_bytes) if alignment is None else alignment
-    return HEADER_BYTES + align_up(align_up(payload_bytes), alignment)
+def _payload_stride(payload_bytes: int, alignment: int) -> int:
+    """Bytes from one payload's start to the next one's in a payload file."""
+    return align_up(align_up(payload_bytes), alignment)
+
+
+def record_disk_bytes(payload_bytes: int) -> int:
+    """Disk bytes one chunk takes in a new slab (what `capacity` counts): its header and its payload's stride."""
+    return HEADER_BYTES + _payload_stride(payload_bytes, payload_alignment(payload_bytes))
 
 
 def _slab_name(namespace: str, payload_bytes: int, alignment: int) -> str:
@@ -667,23 +674,13 @@ class DiskTier:
             # record's header when its first piece has landed.
             for start, end in _runs(records):
                 block = header_block[start * HEADER_BYTES : end * HEADER_BYTES]
-                try:
-                    got = os.preadv(slab.header_fd, [block], slab.header_offset(records[start]))
-                except OSError as exc:
-                    got, reason = 0, exc.strerror or str(exc)
-                else:
-                    reason = "short read"
+                got, reason = _read(slab.header_fd, [block], slab.header_offset(records[start]))
                 for n in range(start + got // HEADER_BYTES, end):
                     errors.setdefault(n, reason)
             for piece in _read_pieces(records, slab.body_bytes, READ_RUN_BYTES, LAST_READ_BYTES, slab.packed):
                 iovecs = [memoryview(bodies[n])[first:end] for n, first, end in piece]
                 n, first, _ = piece[0]
-                try:
-                    got = os.preadv(slab.fd, iovecs, slab.offset(records[n]) + first)
-                except OSError as exc:
-                    got, reason = 0, exc.strerror or str(exc)
-                else:
-                    reason = "short read"
+                got, reason = _read(slab.fd, iovecs, slab.offset(records[n]) + first)
                 # A record cut short (a torn tail) fails alone, not with its whole piece.
                 for n, first, end in piece:
                     got -= end - first
@@ -945,10 +942,7 @@ class DiskTier:
         per_block = RECOVERY_READ_BYTES // HEADER_BYTES
         for first in range(0, slab.reserved_end, per_block):
             count = min(per_block, slab.reserved_end - first)
-            try:
-                got = os.preadv(slab.header_fd, [memoryview(block)[: count * HEADER_BYTES]], slab.header_offset(first))
-            except OSError:
-                got = 0
+            got, _ = _read(slab.header_fd, [memoryview(block)[: count * HEADER_BYTES]], slab.header_offset(first))
             for n in range(count):
                 if (n + 1) * HEADER_BYTES <= got:
                     yield first + n, memoryview(block)[n * HEADER_BYTES : (n + 1) * HEADER_BYTES]
