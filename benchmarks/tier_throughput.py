@@ -23,7 +23,10 @@ pieces of the memory decide how finely O_DIRECT requests are split):
       its own file (no checksums, no metadata), cold (new files) and warm (again);
   (b) vLLM's own `fs` secondary tier I/O (`vllm.v1.kv_offload.tiering.fs.io`
       batch_store_block / batch_load_block: one file per chunk, O_DIRECT), if vLLM is
-      installed; every store creates its file, so it has no warm case.
+      installed; every store creates its file, so it has no warm case. Its reads are
+      also measured with kvstrata's check added (`vllm+x`: each chunk's xxh3-128 on the
+      same number of digest threads while the next chunk loads): what reading *verified*
+      bytes costs the same I/O on this machine.
 Each round writes all three (in an order that rotates every round), then reads each
 `--reads` times back to back, alternating; every timed phase starts on a flushed disk
 (`os.sync()`). This VM's disk drifts by tens of percent within a minute, so every ratio
@@ -40,7 +43,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
 import numpy as np
@@ -48,10 +51,12 @@ import numpy as np
 from kvstrata.actors.node_store import NodeStore, freeze_startup_heap
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.keys import make_key
-from kvstrata.tiers.disk import record_disk_bytes
+from kvstrata.tiers.disk import DIGEST_THREADS, record_disk_bytes
+from kvstrata.tiers.records import chunk_digest
 from kvstrata.tiers.shm import SharedMemoryFile
 
 SIZES_KIB = [256, 1024, 2048, 8192, 32768]
+VERIFIED = "vllm+xxh3"  # the read reference (b) with kvstrata's check added
 
 
 def split(items: list, parts: int) -> list[list]:
@@ -132,6 +137,8 @@ class VllmFs:
         self.direct = io.probe_o_direct(directory)
         self.view = stack.enter_context(reference_memory(shm_dir, chunk * count, seed=1))
         self.pool = stack.enter_context(ThreadPoolExecutor(threads))
+        self.digests = stack.enter_context(ThreadPoolExecutor(DIGEST_THREADS))
+        self.expected: list[bytes] | None = None
         stack.callback(shutil.rmtree, root, ignore_errors=True)
 
     def write(self) -> tuple[float]:
@@ -140,6 +147,35 @@ class VllmFs:
 
     def read(self) -> float:
         return timed(lambda: self._each_thread(self.io.batch_load_block))
+
+    def read_verified(self) -> float:
+        """vLLM's loads with the check kvstrata makes on every read: each chunk's xxh3-128,
+        computed on `DIGEST_THREADS` threads while its loading thread loads the next chunk
+        (one `batch_load_block` call per chunk, so a digest starts as soon as its chunk has
+        landed), compared with the digest taken when the chunk was made."""
+        if self.expected is None:
+            self.expected = [chunk_digest("bench", self._key(i), self._chunk(i)) for i in range(len(self.paths))]
+
+        def run(indices: list[int]) -> list[tuple[int, Future]]:
+            checks = []
+            for i in indices:
+                self.io.batch_load_block([self.paths[i]], self.view, [i * self.chunk], self.chunk, self.direct)
+                checks.append((i, self.digests.submit(chunk_digest, "bench", self._key(i), self._chunk(i))))
+            return checks
+
+        def load_and_verify() -> None:
+            per_thread = self.pool.map(run, split(list(range(len(self.paths))), self.threads))
+            for i, check in [check for checks in per_thread for check in checks]:
+                assert check.result() == self.expected[i], f"vLLM's load of chunk {i} should read back what it stored"
+
+        return timed(load_and_verify)
+
+    def _chunk(self, i: int) -> memoryview:
+        return self.view[i * self.chunk : (i + 1) * self.chunk]
+
+    @staticmethod
+    def _key(i: int) -> bytes:
+        return make_key(i.to_bytes(32, "big"), 0)
 
     def _each_thread(self, call: Callable) -> None:
         def run(indices: list[int]) -> None:
@@ -395,11 +431,15 @@ def disk_figures(
         seconds += [med(w[0] for w in writes["vllm"]), med(r["vllm"] for r in reads)]
         vllm = [(w[0], w[0]) for w in writes["vllm"]]  # its one kind of store against kvstrata's cold and warm
         read_vllm = [r["vllm"] / r["kvstrata"] for r in reads]
+        read_verified = [r[VERIFIED] / r["kvstrata"] for r in reads]
+        seconds.append(med(r[VERIFIED] for r in reads))
         ratios += [median_speedup(vllm, kvstrata, 0), median_speedup(vllm, kvstrata, 1), med(read_vllm)]
+        ratios.append(med(read_verified))
         spread += f", read/vllm {min(read_vllm):.2f}-{max(read_vllm):.2f}"
+        spread += f", read/vllm+xxh3 {min(read_verified):.2f}-{max(read_verified):.2f}"
     else:
-        seconds += [float("inf")] * 2
-        ratios += [float("nan")] * 3
+        seconds += [float("inf")] * 3
+        ratios += [float("nan")] * 4
     return [moved / s / 1e9 for s in seconds], ratios, spread
 
 
@@ -415,6 +455,7 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
         print(
             "  w/vllm: kvstrata cold vs vLLM; warm/vllm: a running kvstrata tier vs vLLM, whose stores always create files"
         )
+        print("  vllm+x: vLLM's reads, each chunk then checked against its xxh3-128 as kvstrata checks every read")
         pages = "2 MiB pages" if huge_page_probe(shm_dir) else "4 KiB pages (no MADV_COLLAPSE here)"
         print(f"  memory: the arena and both references use shared memory in {pages}")
         subjects: dict[str, type] = {"kvstrata": KvstrataDisk, "raw": RawODirect}
@@ -424,8 +465,8 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
             print("  vLLM is not installed: no vLLM reference")
         else:
             subjects["vllm"] = VllmFs
-        columns = ["kv cold", "kv warm", "kv read", "raw cold", "raw warm", "raw read", "vllm w", "vllm r",
-                   "cold/raw", "warm/raw", "read/raw", "w/vllm", "warm/vllm", "r/vllm"]  # fmt: skip
+        columns = ["kv cold", "kv warm", "kv read", "raw cold", "raw warm", "raw read", "vllm w", "vllm r", "vllm+x r",
+                   "cold/raw", "warm/raw", "read/raw", "w/vllm", "warm/vllm", "r/vllm", "r/vllm+x"]  # fmt: skip
         print(f"{'chunk':>9} " + " ".join(f"{c:>8}" for c in columns))
         spreads = []
         for size_kib in sizes_kib:
@@ -445,8 +486,11 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
                     }
                     for name in rotated(list(made), round_):
                         writes[name].append(made[name].write())
+                    readers = {name: subject.read for name, subject in made.items()}
+                    if "vllm" in made:
+                        readers[VERIFIED] = made["vllm"].read_verified
                     for read in range(reads):
-                        read_s.append({name: made[name].read() for name in rotated(list(made), round_ + read)})
+                        read_s.append({name: readers[name]() for name in rotated(list(readers), round_ + read)})
                     direct, huge = made["kvstrata"].facts()
             figures, ratios, spread = disk_figures(chunk * count, writes, read_s)
             spreads.append(f"{size_kib:>6}KiB {spread}")

@@ -1,0 +1,143 @@
+"""What checking every byte read costs an O_DIRECT read on this machine, and why.
+
+The disk tier checks each chunk's xxh3-128 on digest threads while its I/O threads read
+on, as `tier_throughput.py` measures. This takes the tier away and keeps the two
+things that meet in memory: `--threads` threads pread() a file in `--piece-mib` pieces
+into distinct memory of the arena's kind (shared memory, 2 MiB pages), and beside them
+the tier's `DIGEST_THREADS` threads do one of:
+
+  nothing          the raw read: the reference of every ratio
+  hash landed      hash each piece as it lands (the tier's check: reads every byte from memory)
+  hash cached      the same number of hash calls over a 256 KiB buffer that stays in the
+                   CPU's cache: the same work without the memory traffic of the landed bytes
+  hash cached, cpu-matched
+                   over the cached buffer as many times as it takes to spend the CPU time
+                   "hash landed" spends (timed before the rounds)
+
+If "hash landed" costs the read more than the cpu-matched one, what slows the disk is
+the check's reads from memory, not its CPU time. Modes rotate order every round; each
+ratio is the median over rounds of side-by-side ratios.
+
+    python benchmarks/verify_cost.py [--path /mnt/nvme/bench] [--total-mib 1024] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import xxhash
+
+from kvstrata.tiers.disk import DIGEST_THREADS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tier_throughput as bench  # noqa: E402
+
+CACHED_BYTES = 256 << 10
+MODES = ("nothing", "hash landed", "hash cached", "hash cached, cpu-matched")
+
+
+def hash_seconds(work: Callable[[], object]) -> float:
+    """CPU seconds of this thread that `work` takes."""
+    start = time.thread_time()
+    work()
+    return time.thread_time() - start
+
+
+def read_beside(fd: int, view: memoryview, piece: int, threads: int, check: Callable[[int], object] | None) -> float:
+    """Seconds to read the file into `view` on `threads` threads, `check(offset)` running on
+    `DIGEST_THREADS` threads for each piece as it lands."""
+    landed: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+
+    def digest() -> None:
+        while (offset := landed.get()) is not None:
+            check(offset)
+
+    def read(offsets: list[int]) -> None:
+        for offset in offsets:
+            os.preadv(fd, [view[offset : offset + piece]], offset)
+            if check is not None:
+                landed.put(offset)
+
+    digesters = [threading.Thread(target=digest) for _ in range(DIGEST_THREADS if check else 0)]
+    readers = [threading.Thread(target=read, args=(share,)) for share in bench.split(list(range(0, len(view), piece)), threads)]
+    for thread in digesters:
+        thread.start()
+    try:
+        seconds = bench.timed(lambda: [thread.start() for thread in readers] + [thread.join() for thread in readers])
+    finally:
+        for _ in digesters:
+            landed.put(None)
+        for thread in digesters:
+            thread.join()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a temp dir in /var/tmp)")
+    parser.add_argument("--total-mib", type=int, default=1024)
+    parser.add_argument("--piece-mib", type=int, default=8, help="bytes per pread (the tier's READ_RUN_BYTES)")
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args()
+    size, piece = args.total_mib << 20, args.piece_mib << 20
+    with ExitStack() as stack:
+        directory = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=args.path or "/var/tmp")
+        shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
+        stack.callback(os.rmdir, shm_dir)
+        stack.callback(os.rmdir, directory)
+        view = stack.enter_context(bench.reference_memory(shm_dir, size, seed=3))
+        path = os.path.join(directory, "verify-cost.bin")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+        stack.callback(os.remove, path)
+        stack.callback(os.close, fd)
+        for offset in range(0, size, piece):
+            os.pwrite(fd, view[offset : offset + piece], offset)
+        os.fsync(fd)
+        cached = stack.enter_context(mmap.mmap(-1, CACHED_BYTES))
+        cached.write(os.urandom(CACHED_BYTES))
+        per_piece = piece // CACHED_BYTES
+
+        def landed(offset: int) -> None:
+            xxhash.xxh3_128(view[offset : offset + piece]).digest()
+
+        def cached_times(times: int) -> Callable[[int], None]:
+            def check(_offset: int) -> None:
+                for _ in range(times):
+                    xxhash.xxh3_128(cached).digest()
+
+            return check
+
+        memory_s = min(hash_seconds(lambda: [landed(o) for o in range(0, size, piece)]) for _ in range(3))
+        cache_s = min(hash_seconds(lambda: cached_times(per_piece)(0)) for _ in range(3)) * (size // piece)
+        matched = round(per_piece * memory_s / cache_s)
+        print(f"{args.total_mib} MiB read in {args.piece_mib} MiB pieces on {args.threads} threads, "
+              f"{DIGEST_THREADS} digest threads, {args.rounds} rounds, file in {directory}")  # fmt: skip
+        print(f"  xxh3-128 alone: {size / memory_s / 1e9:.1f} GB/s from memory, {size / cache_s / 1e9:.1f} GB/s "
+              f"from cache; cpu-matched = {matched} hashes of {CACHED_BYTES >> 10} KiB per piece")  # fmt: skip
+        checks = {"nothing": None, "hash landed": landed, "hash cached": cached_times(per_piece),
+                  "hash cached, cpu-matched": cached_times(matched)}  # fmt: skip
+        seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for round_ in range(args.rounds):
+            for mode in bench.rotated(list(MODES), round_):
+                seconds[mode].append(read_beside(fd, view, piece, args.threads, checks[mode]))
+        print(f"{'beside the reads':>26} {'GB/s':>6} {'÷ nothing':>10} {'range':>11}")
+        for mode in MODES:
+            ratios = [base / s for base, s in zip(seconds["nothing"], seconds[mode])]
+            gbps = size / statistics.median(seconds[mode]) / 1e9
+            print(f"{mode:>26} {gbps:>6.2f} {statistics.median(ratios):>10.3f} {min(ratios):>5.2f}-{max(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
