@@ -59,6 +59,11 @@ SIZES_KIB = [256, 1024, 2048, 8192, 32768]
 VERIFIED = "vllm+xxh3"  # the read reference (b) with kvstrata's check added
 
 
+def chunk_key(i: int) -> bytes:
+    """The key of the benchmark's chunk number `i` (group 0)."""
+    return make_key(i.to_bytes(32, "big"), 0)
+
+
 def split(items: list, parts: int) -> list[list]:
     return [items[i::parts] for i in range(parts)]
 
@@ -154,13 +159,13 @@ class VllmFs:
         (one `batch_load_block` call per chunk, so a digest starts as soon as its chunk has
         landed), compared with the digest taken when the chunk was made."""
         if self.expected is None:
-            self.expected = [chunk_digest("bench", self._key(i), self._chunk(i)) for i in range(len(self.paths))]
+            self.expected = [chunk_digest("bench", chunk_key(i), self._chunk(i)) for i in range(len(self.paths))]
 
         def run(indices: list[int]) -> list[tuple[int, Future]]:
             checks = []
             for i in indices:
                 self.io.batch_load_block([self.paths[i]], self.view, [i * self.chunk], self.chunk, self.direct)
-                checks.append((i, self.digests.submit(chunk_digest, "bench", self._key(i), self._chunk(i))))
+                checks.append((i, self.digests.submit(chunk_digest, "bench", chunk_key(i), self._chunk(i))))
             return checks
 
         def load_and_verify() -> None:
@@ -172,10 +177,6 @@ class VllmFs:
 
     def _chunk(self, i: int) -> memoryview:
         return self.view[i * self.chunk : (i + 1) * self.chunk]
-
-    @staticmethod
-    def _key(i: int) -> bytes:
-        return make_key(i.to_bytes(32, "big"), 0)
 
     def _each_thread(self, call: Callable) -> None:
         def run(indices: list[int]) -> None:
@@ -253,7 +254,7 @@ def cascade(store: NodeStore, namespace: str, chunk: int, count: int, first_key:
     rng = np.random.default_rng(first_key)
     for slot in slots:
         pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
-    keys = [make_key(i.to_bytes(32, "big"), 0) for i in range(first_key, first_key + count)]
+    keys = [chunk_key(i) for i in range(first_key, first_key + count)]
     # Like an engine, which catches up on the change log at every step, the timed steps
     # carry the sequence number the engine has seen: replaying the whole log is not part
     # of a cascade or a promotion.

@@ -69,12 +69,19 @@ def read_beside(fd: int, view: memoryview, piece: int, threads: int, check: Call
             if check is not None:
                 landed.put(offset)
 
+    def read_all() -> None:
+        readers = [threading.Thread(target=read, args=(share,)) for share in shares]
+        for thread in readers:
+            thread.start()
+        for thread in readers:
+            thread.join()
+
+    shares = bench.split(list(range(0, len(view), piece)), threads)
     digesters = [threading.Thread(target=digest) for _ in range(DIGEST_THREADS if check else 0)]
-    readers = [threading.Thread(target=read, args=(share,)) for share in bench.split(list(range(0, len(view), piece)), threads)]
     for thread in digesters:
         thread.start()
     try:
-        seconds = bench.timed(lambda: [thread.start() for thread in readers] + [thread.join() for thread in readers])
+        seconds = bench.timed(read_all)
     finally:
         for _ in digesters:
             landed.put(None)
