@@ -26,7 +26,11 @@ pieces of the memory decide how finely O_DIRECT requests are split):
       installed; every store creates its file, so it has no warm case. Its reads are
       also measured with kvstrata's check added (`vllm+x`: each chunk's xxh3-128 on the
       same number of digest threads while the next chunk loads): what reading *verified*
-      bytes costs the same I/O on this machine.
+      bytes costs the same I/O on this machine. Both spread the chunks evenly over the
+      threads, as vLLM's tier does only when enough requests load at once; `vllm1j` is
+      its tier loading the fill as one request does (`FileSystemTierManager.submit_load`:
+      one job of one task, all the request's chunks read on one of its threads), as
+      kvstrata's figure promotes the fill with one `step`.
 Each round writes all three (in an order that rotates every round), then reads each
 `--reads` times back to back, alternating; every timed phase starts on a flushed disk
 (`os.sync()`). This VM's disk drifts by tens of percent within a minute, so every ratio
@@ -57,6 +61,8 @@ from kvstrata.tiers.shm import SharedMemoryFile
 
 SIZES_KIB = [256, 1024, 2048, 8192, 32768]
 VERIFIED = "vllm+xxh3"  # the read reference (b) with kvstrata's check added
+ONE_JOB = "vllm 1 job"  # the read reference (b) as vLLM's tier loads one request
+VLLM_READS = ("vllm", VERIFIED, ONE_JOB)
 
 
 def chunk_key(i: int) -> bytes:
@@ -174,6 +180,13 @@ class VllmFs:
                 assert check.result() == self.expected[i], f"vLLM's load of chunk {i} should read back what it stored"
 
         return timed(load_and_verify)
+
+    def read_one_job(self) -> float:
+        """vLLM's tier loading the fill as one request's promotion: `submit_load` makes a
+        request's chunks one job of one task, `batch_load_block` over all of them, which one
+        of its threads runs (and the job is done when that call returns)."""
+        offsets = [i * self.chunk for i in range(len(self.paths))]
+        return timed(lambda: self.io.batch_load_block(self.paths, self.view, offsets, self.chunk, self.direct))
 
     def _chunk(self, i: int) -> memoryview:
         return self.view[i * self.chunk : (i + 1) * self.chunk]
@@ -429,18 +442,17 @@ def disk_figures(
     ratios = [median_speedup(raw, kvstrata, 0), median_speedup(raw, kvstrata, 1), med(read_raw)]
     spread = f"read/raw {min(read_raw):.2f}-{max(read_raw):.2f}"
     if "vllm" in writes:
-        seconds += [med(w[0] for w in writes["vllm"]), med(r["vllm"] for r in reads)]
+        seconds.append(med(w[0] for w in writes["vllm"]))
         vllm = [(w[0], w[0]) for w in writes["vllm"]]  # its one kind of store against kvstrata's cold and warm
-        read_vllm = [r["vllm"] / r["kvstrata"] for r in reads]
-        read_verified = [r[VERIFIED] / r["kvstrata"] for r in reads]
-        seconds.append(med(r[VERIFIED] for r in reads))
-        ratios += [median_speedup(vllm, kvstrata, 0), median_speedup(vllm, kvstrata, 1), med(read_vllm)]
-        ratios.append(med(read_verified))
-        spread += f", read/vllm {min(read_vllm):.2f}-{max(read_vllm):.2f}"
-        spread += f", read/vllm+xxh3 {min(read_verified):.2f}-{max(read_verified):.2f}"
+        ratios += [median_speedup(vllm, kvstrata, 0), median_speedup(vllm, kvstrata, 1)]
+        for name in VLLM_READS:
+            read_ratios = [r[name] / r["kvstrata"] for r in reads]
+            seconds.append(med(r[name] for r in reads))
+            ratios.append(med(read_ratios))
+            spread += f", read/{name} {min(read_ratios):.2f}-{max(read_ratios):.2f}"
     else:
-        seconds += [float("inf")] * 3
-        ratios += [float("nan")] * 4
+        seconds += [float("inf")] * (1 + len(VLLM_READS))
+        ratios += [float("nan")] * (2 + len(VLLM_READS))
     return [moved / s / 1e9 for s in seconds], ratios, spread
 
 
@@ -457,6 +469,8 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
             "  w/vllm: kvstrata cold vs vLLM; warm/vllm: a running kvstrata tier vs vLLM, whose stores always create files"
         )
         print("  vllm+x: vLLM's reads, each chunk then checked against its xxh3-128 as kvstrata checks every read")
+        print("  vllm r, vllm+x r: the chunks spread evenly over the threads (vLLM's tier, with enough requests at once)")
+        print("  vllm1j r: vLLM's tier loading the fill as one request (one job: one batch_load_block on one thread)")
         pages = "2 MiB pages" if huge_page_probe(shm_dir) else "4 KiB pages (no MADV_COLLAPSE here)"
         print(f"  memory: the arena and both references use shared memory in {pages}")
         subjects: dict[str, type] = {"kvstrata": KvstrataDisk, "raw": RawODirect}
@@ -467,7 +481,8 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
         else:
             subjects["vllm"] = VllmFs
         columns = ["kv cold", "kv warm", "kv read", "raw cold", "raw warm", "raw read", "vllm w", "vllm r", "vllm+x r",
-                   "cold/raw", "warm/raw", "read/raw", "w/vllm", "warm/vllm", "r/vllm", "r/vllm+x"]  # fmt: skip
+                   "vllm1j r", "cold/raw", "warm/raw", "read/raw", "w/vllm", "warm/vllm", "r/vllm", "r/vllm+x",
+                   "r/vllm1j"]  # fmt: skip
         print(f"{'chunk':>9} " + " ".join(f"{c:>8}" for c in columns))
         spreads = []
         for size_kib in sizes_kib:
@@ -478,7 +493,7 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
             for round_ in range(rounds):
                 # The disk drifts by tens of percent within a minute: compare measurements
                 # taken side by side, never one shot each. Reads leave the disk as it was, so
-                # each round's are repeated back to back, the three alternating. The order
+                # each round's are repeated back to back, the readers alternating. The order
                 # rotates: the root filesystem here is mounted with `discard`, so whatever runs
                 # right after the last round's files are deleted shares the disk with their discards.
                 with ExitStack() as stack:
@@ -490,6 +505,7 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
                     readers = {name: subject.read for name, subject in made.items()}
                     if "vllm" in made:
                         readers[VERIFIED] = made["vllm"].read_verified
+                        readers[ONE_JOB] = made["vllm"].read_one_job
                     for read in range(reads):
                         read_s.append({name: readers[name]() for name in rotated(list(readers), round_ + read)})
                     direct, huge = made["kvstrata"].facts()
