@@ -8,6 +8,9 @@ the tier's `DIGEST_THREADS` threads do one of:
 
   nothing          the raw read: the reference of every ratio
   hash landed      hash each piece as it lands (the tier's check: reads every byte from memory)
+  hash elsewhere   hash as many bytes of other memory of the same kind, which no read
+                   touches, one piece as each piece lands: the same memory traffic, not
+                   of the landed bytes
   hash cached      the same number of hash calls over a 256 KiB buffer that stays in the
                    CPU's cache: the same work without the memory traffic of the landed bytes
   hash cached, cpu-matched
@@ -15,7 +18,9 @@ the tier's `DIGEST_THREADS` threads do one of:
                    "hash landed" spends (timed before the rounds)
 
 If "hash landed" costs the read more than the cpu-matched one, what slows the disk is
-the check's reads from memory, not its CPU time. Modes rotate order every round; each
+the check's reads from memory, not its CPU time; if "hash elsewhere" costs as much as
+"hash landed", it is any read from memory at that rate, not something of the landed bytes
+(such as where they lie in the CPU's caches). Modes rotate order every round; each
 ratio is the median over rounds of side-by-side ratios.
 
     python benchmarks/verify_cost.py [--path /mnt/nvme/bench] [--total-mib 1024] [--rounds 8]
@@ -44,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tier_throughput as bench  # noqa: E402
 
 CACHED_BYTES = 256 << 10
-MODES = ("nothing", "hash landed", "hash cached", "hash cached, cpu-matched")
+MODES = ("nothing", "hash landed", "hash elsewhere", "hash cached", "hash cached, cpu-matched")
 
 
 def hash_seconds(work: Callable[[], object]) -> float:
@@ -105,6 +110,7 @@ def main() -> None:
         stack.callback(os.rmdir, shm_dir)
         stack.callback(os.rmdir, directory)
         view = stack.enter_context(bench.reference_memory(shm_dir, size, seed=3))
+        other = stack.enter_context(bench.reference_memory(shm_dir, size, seed=4))
         path = os.path.join(directory, "verify-cost.bin")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
         stack.callback(os.remove, path)
@@ -118,6 +124,9 @@ def main() -> None:
 
         def landed(offset: int) -> None:
             xxhash.xxh3_128(view[offset : offset + piece]).digest()
+
+        def elsewhere(offset: int) -> None:
+            xxhash.xxh3_128(other[offset : offset + piece]).digest()
 
         def cached_times(times: int) -> Callable[[int], None]:
             def check(_offset: int) -> None:
@@ -133,8 +142,8 @@ def main() -> None:
               f"{DIGEST_THREADS} digest threads, {args.rounds} rounds, file in {directory}")  # fmt: skip
         print(f"  xxh3-128 alone: {size / memory_s / 1e9:.1f} GB/s from memory, {size / cache_s / 1e9:.1f} GB/s "
               f"from cache; cpu-matched = {matched} hashes of {CACHED_BYTES >> 10} KiB per piece")  # fmt: skip
-        checks = {"nothing": None, "hash landed": landed, "hash cached": cached_times(per_piece),
-                  "hash cached, cpu-matched": cached_times(matched)}  # fmt: skip
+        checks = {"nothing": None, "hash landed": landed, "hash elsewhere": elsewhere,
+                  "hash cached": cached_times(per_piece), "hash cached, cpu-matched": cached_times(matched)}  # fmt: skip
         seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
         for round_ in range(args.rounds):
             for mode in bench.rotated(list(MODES), round_):
