@@ -122,11 +122,13 @@ def main() -> None:
         cached.write(os.urandom(CACHED_BYTES))
         per_piece = piece // CACHED_BYTES
 
-        def landed(offset: int) -> None:
-            xxhash.xxh3_128(view[offset : offset + piece]).digest()
+        def hash_pieces_of(memory: memoryview) -> Callable[[int], None]:
+            def check(offset: int) -> None:
+                xxhash.xxh3_128(memory[offset : offset + piece]).digest()
 
-        def elsewhere(offset: int) -> None:
-            xxhash.xxh3_128(other[offset : offset + piece]).digest()
+            return check
+
+        landed, elsewhere = hash_pieces_of(view), hash_pieces_of(other)
 
         def cached_times(times: int) -> Callable[[int], None]:
             def check(_offset: int) -> None:
