@@ -224,6 +224,15 @@ class KvstrataConfig(_Strict):
         max_length=128,
         description="isolates tenants: chunks of different prefixes never mix",
     )
+    model_identity: str = Field(
+        default="sampled",
+        min_length=1,
+        max_length=256,
+        pattern=r"^[\x21-\x7e][\x20-\x7e]*$",
+        description="how engines decide they serve the same weights: `sampled` (file sizes, small files whole, "
+        "a deterministic sample of each weight file's bytes), `full` (every byte, read once per engine start), "
+        "or any other string: your own version label for the weights, shared by every engine that gives it",
+    )
     tiers: TiersConfig = TiersConfig()
     engine: EngineConfig = EngineConfig()
     ray: RayConfig = RayConfig()

@@ -13,9 +13,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-# Layout fields that steer policy, not bytes: kept out of the namespace digest so that
-# engines that know more (a newer vLLM) still share chunks with those that know less.
-POLICY_FIELDS = ("anchor_groups",)
+# Layout fields that steer policy or describe, not bytes: kept out of the namespace
+# digest so that engines that know more (a newer vLLM) still share chunks with those
+# that know less, and so that how an identity was reached does not split a cache.
+POLICY_FIELDS = ("anchor_groups", "identity_source")
 
 GROUP_BYTES = 4
 # Slots are page aligned: DMA registration and O_DIRECT both want it.
@@ -71,6 +72,14 @@ class Layout:
     # says (0.33+: `sliding_window_size_in_chunks is None`); None when unknown. A
     # sliding-window or Mamba chunk is useless once its position's anchor chunk is gone.
     anchor_groups: tuple[int, ...] | None = None
+    # Digest of the weights' content and the settings that change KV bytes
+    # (`kvstrata.identity`). When set, it replaces `model` (a path or a name) in the
+    # namespace: copies of one checkpoint at different paths share, different
+    # checkpoints at one path never do. Empty only where no identity was computed
+    # (a layout built outside an engine); then the model's name stands for it.
+    model_identity: str = ""
+    # How `model_identity` was reached: sampled / full / explicit / unshared (for operators).
+    identity_source: str = ""
 
     @property
     def rank_bytes(self) -> int:
@@ -85,10 +94,14 @@ class Layout:
     @property
     def namespace(self) -> str:
         """Stable digest of the layout; also part of file and object names."""
-        fields = {name: value for name, value in asdict(self).items() if name not in POLICY_FIELDS}
+        ignored = POLICY_FIELDS + (("model",) if self.model_identity else ("model_identity",))
+        fields = {name: value for name, value in asdict(self).items() if name not in ignored}
         canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         digest = hashlib.blake2b(canonical.encode(), digest_size=10).hexdigest()
         return digest
 
     def describe(self) -> dict[str, object]:
-        return {"namespace": self.namespace, "slot_bytes": self.slot_bytes, **asdict(self)}
+        described = {"namespace": self.namespace, "slot_bytes": self.slot_bytes, **asdict(self)}
+        if self.model_identity:
+            described["identity"] = self.model_identity[:12]
+        return described

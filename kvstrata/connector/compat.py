@@ -18,11 +18,14 @@ Supported: vLLM 0.29 through 0.33 (CI runs the connector tests on 0.29.0, 0.32.0
 | < 0.33 | `OffloadingEvent` has no `metadata_only` | never set |
 | < 0.33 | groups do not say which are full attention (`sliding_window_size_in_chunks`) | `anchor_groups()` is None |
 | all | `OffloadingEvent.ownership` / `removal_expected` | set per tier by `make_event` |
+| all | the spec gets no `VllmConfig` (revision, quantization, overrides) | `engine_vllm_config()` |
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 import vllm
@@ -141,17 +144,97 @@ def load_source(medium: str) -> Any:
     return known.get(medium, CacheHitSource.EXTERNAL_UNSPECIFIED)
 
 
-def prefix_hash_algo() -> str:
-    """The prefix-cache hash in use: chunks hashed differently must never meet."""
+# How far up the stack `engine_vllm_config` looks for the connector that builds the spec
+# (OffloadingConnector.__init__ -> OffloadingSpecFactory.create_spec -> spec.__init__).
+_CONFIG_SEARCH_FRAMES = 12
+# Keys of a Hugging Face config that name where or with what it was read, not what it is.
+_VOLATILE_HF_KEYS = ("transformers_version",)
+
+
+def engine_vllm_config() -> Any | None:
+    """The engine's `VllmConfig`, or None where it cannot be found.
+
+    vLLM hands an offloading spec only its `OffloadingConfig`, which names the model by
+    path and the KV-cache dtype but not its revision, quantization or config overrides:
+    what a model identity needs. The connector that builds the spec holds the whole
+    config (`KVConnectorBase_V1._vllm_config`, and a `vllm_config` argument) in its
+    constructor's frame, so the spec's constructor looks a few frames up for it; vLLM's
+    `get_current_vllm_config_or_none` is the fallback (set in workers, not in the
+    scheduler). Call it from the spec's constructor only.
+    """
+    from vllm.config import VllmConfig
+
+    frame = sys._getframe(1)
+    for _ in range(_CONFIG_SEARCH_FRAMES):
+        if frame is None:
+            break
+        local = frame.f_locals
+        for candidate in (local.get("vllm_config"), getattr(local.get("self"), "_vllm_config", None)):
+            if isinstance(candidate, VllmConfig):
+                return candidate
+        frame = frame.f_back
     try:
         from vllm.config import get_current_vllm_config_or_none
-
-        current = get_current_vllm_config_or_none()
     except ImportError:  # pragma: no cover - older vLLM
-        current = None
-    if current is None:
+        return None
+    return get_current_vllm_config_or_none()
+
+
+def model_settings(vllm_config: Any) -> dict[str, Any]:
+    """Everything in an engine's config that changes KV bytes for the same token ids.
+
+    The effective Hugging Face config is taken *after* vLLM applied `hf_overrides`
+    (RoPE scaling, layer types, a checkpoint's `quantization_config` all live there),
+    less the keys that name a path or a library version. Not vLLM's own
+    `ModelConfig.compute_hash`: that is the compile-cache key, which includes the model
+    path (defeating sharing between nodes that keep a checkpoint at different paths).
+    """
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    return {
+        "revision": model.revision,
+        "quantization": model.quantization,
+        "model_dtype": str(model.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "calculate_kv_scales": getattr(cache, "calculate_kv_scales", None),
+        "override_attention_dtype": getattr(model, "override_attention_dtype", None),
+        "load_format": str(getattr(vllm_config.load_config, "load_format", "")),
+        "hf_config": _portable_hf_config(model.hf_config.to_dict()),
+    }
+
+
+def model_download_dir(vllm_config: Any) -> str | None:
+    """Where vLLM keeps downloaded checkpoints (None: the Hugging Face cache's default)."""
+    return getattr(vllm_config.load_config, "download_dir", None)
+
+
+def _portable_hf_config(value: Any) -> Any:
+    """The config with private keys (`_name_or_path`, `_commit_hash`, ...) and library
+    versions removed at every level, values made JSON-stable."""
+    if isinstance(value, Mapping):
+        return {
+            str(key): _portable_hf_config(item)
+            for key, item in value.items()
+            if not str(key).startswith("_") and key not in _VOLATILE_HF_KEYS
+        }
+    if isinstance(value, list | tuple):
+        return [_portable_hf_config(item) for item in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def prefix_hash_algo(vllm_config: Any | None = None) -> str:
+    """The prefix-cache hash in use: chunks hashed differently must never meet."""
+    if vllm_config is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+
+            vllm_config = get_current_vllm_config_or_none()
+        except ImportError:  # pragma: no cover - older vLLM
+            vllm_config = None
+    if vllm_config is None:
         return "sha256"
-    return str(current.cache_config.prefix_caching_hash_algo)
+    return str(vllm_config.cache_config.prefix_caching_hash_algo)
 
 
 __all__ = [
@@ -178,10 +261,13 @@ __all__ = [
     "HAS_RESET_FLUSHED",
     "anchor_groups",
     "check_vllm_version",
+    "engine_vllm_config",
     "group_ids",
     "key_position",
     "load_source",
     "make_event",
+    "model_download_dir",
+    "model_settings",
     "override",
     "prefix_hash_algo",
 ]

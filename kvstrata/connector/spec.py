@@ -8,6 +8,8 @@ Ray when it first asks for its manager, the workers never do.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -23,16 +25,28 @@ from kvstrata.connector.compat import (
     OffloadingWorker,
     anchor_groups,
     check_vllm_version,
+    engine_vllm_config,
     group_ids,
+    model_download_dir,
+    model_settings,
     override,
     prefix_hash_algo,
 )
 from kvstrata.connector.manager import COUNTER_NAMES, GAUGE_NAMES, StrataManager, metric_name
+from kvstrata.identity import ModelIdentity, resolve_model_identity
 from kvstrata.keys import Layout
 
+logger = logging.getLogger(__name__)
 
-def build_layout(config: OffloadingConfig, kvstrata_config: KvstrataConfig) -> Layout:
-    """The layout namespace of an engine: everything that makes its KV bytes what they are."""
+
+def build_layout(
+    config: OffloadingConfig, kvstrata_config: KvstrataConfig, vllm_config: Any | None = None
+) -> Layout:
+    """The layout namespace of an engine: everything that makes its KV bytes what they are.
+
+    The model's identity is not part of it yet: that reads the checkpoint, which only
+    the scheduler needs (`StrataSpec.get_manager`); workers use the layout's geometry.
+    """
     parallel = config.parallel
     return Layout(
         model=config.model.name,
@@ -48,7 +62,7 @@ def build_layout(config: OffloadingConfig, kvstrata_config: KvstrataConfig) -> L
         pp_size=parallel.pp_size,
         pcp_size=getattr(parallel, "pcp_size", 1),
         dcp_size=getattr(parallel, "dcp_size", 1),
-        hash_algo=prefix_hash_algo(),
+        hash_algo=prefix_hash_algo(vllm_config),
         namespace_prefix=kvstrata_config.namespace_prefix,
         anchor_groups=anchor_groups(config),
     )
@@ -69,7 +83,14 @@ class StrataSpec(OffloadingSpec):
         check_vllm_version()
         super().__init__(config)
         self.kvstrata_config = load_config(self.extra_config.get("config"))
-        self.layout = build_layout(config, self.kvstrata_config)
+        vllm_config = engine_vllm_config()
+        self.layout = build_layout(config, self.kvstrata_config, vllm_config)
+        # Read now (the connector's frame is on the stack only during construction), used
+        # by the scheduler's get_manager: a handful of strings and the model's HF config.
+        self._model_settings = None if vllm_config is None else model_settings(vllm_config)
+        self._model_revision = None if vllm_config is None else vllm_config.model_config.revision
+        self._download_dir = None if vllm_config is None else model_download_dir(vllm_config)
+        self.identity: ModelIdentity | None = None
         self._manager: StrataManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -79,6 +100,23 @@ class StrataSpec(OffloadingSpec):
             from kvstrata.actors.client import RayStoreClient, ensure_node_store, join_cluster
 
             cfg = self.kvstrata_config
+            self.identity = resolve_model_identity(
+                self.config.model.name,
+                cfg.model_identity,
+                self._model_settings,
+                revision=self._model_revision,
+                cache_dir=self._download_dir,
+            )
+            self.layout = dataclasses.replace(
+                self.layout, model_identity=self.identity.digest, identity_source=self.identity.source
+            )
+            logger.info(
+                "kvstrata: model %s has identity %s (%s): namespace %s",
+                self.identity.name,
+                self.identity.short,
+                self.identity.source,
+                self.layout.namespace,
+            )
             join_cluster(cfg.ray.address)
             client = RayStoreClient(ensure_node_store(cfg), cfg.engine.control_timeout_seconds)
             self._manager = StrataManager(
