@@ -7,6 +7,9 @@ Invariants the rest of the system relies on:
 - Eviction only takes committed slots that nobody pins; reserved slots and pinned
   slots are never touched, so a HIT handed to vLLM stays loadable.
 - Pins and reservations belong to a holder (an engine) and die with its lease.
+- A slot whose chunk left the index is reused only once every engine that answers
+  HITs from a mirror has seen it go (`kvstrata.tiers.reuse`), so a HIT answered
+  before its pin reached the store still reads its chunk's bytes.
 - Segments are named with the arena's epoch, so a restarted store never hands out a
   file that a worker of the previous store still has mapped under the same name.
 - The arena never shrinks while it lives; budget is shared by all namespaces.
@@ -28,6 +31,7 @@ from kvstrata.keys import key_name
 from kvstrata.tiers.leases import LeaseTable
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
 from kvstrata.tiers.positions import Positions
+from kvstrata.tiers.reuse import DeferredReuse
 from kvstrata.tiers.shm import SharedMemoryFile
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,8 @@ class SlotPool:
         self._slot_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._orphans: set[int] = set()
+        self._orphan_key: dict[int, bytes] = {}  # orphan -> the evicted chunk it still holds
+        self.reuse = DeferredReuse()
         self._pins: dict[int, set[str]] = {}
         self._held: dict[str, set[int]] = {}
         self.on_change: Callable[[list[bytes], bool], None] | None = None
@@ -93,6 +99,8 @@ class SlotPool:
             "duplicate_commits": 0,
             "reserve_shortfall": 0,
             "grow_failures": 0,
+            "holds": 0,
+            "holds_refused": 0,
         }
         self._grow_retry_at = float("-inf")
 
@@ -253,10 +261,44 @@ class SlotPool:
                 del self._pins[slot]
                 if slot in self._orphans:
                     self._orphans.discard(slot)
-                    self._free.append(slot)
+                    self._retire(slot, self._orphan_key.pop(slot, None))
+
+    def watch(self, holder: str, seq: int) -> None:
+        """`holder` answers HITs from a mirror of this pool's index taken at `seq`."""
+        self.reuse.watch(holder, seq)
+
+    def acknowledge(self, holder: str, seq: int) -> None:
+        """`holder` applied the index changes up to `seq`; after its holds, never before."""
+        self._free.extend(self.reuse.acknowledge(holder, seq))
+
+    def hold(self, holder: str, items: Iterable[tuple[bytes, int]]) -> list[str]:
+        """Pin the slots of HITs `holder` answered from its mirror: (key, slot) as it saw them.
+
+        The slot holds the key's bytes if it is still indexed under it, an orphan of it,
+        or waiting for reuse since the key left (deferred reuse guarantees it was not
+        handed out since). Anything else is refused, counted and named: the engine's
+        load would read another chunk, which the protocol rules out.
+        """
+        refused: list[str] = []
+        for key, slot in items:
+            if self._slot_of.get(key) == slot:
+                self.policy.touch(slot)
+            elif self._orphan_key.get(slot) != key:
+                if not self.reuse.claim(slot, key):
+                    self.counters["holds_refused"] += 1
+                    refused.append(
+                        f"cannot hold chunk {key_name(key)}: slot {slot} of namespace {self.namespace} no longer holds it"
+                    )
+                    continue
+                self._orphans.add(slot)
+                self._orphan_key[slot] = key
+            self.pin_slots(holder, [slot])
+            self.counters["holds"] += 1
+        return refused
 
     def drop_holder(self, holder: str) -> int:
         """Forget every pin and reservation of a holder (lease expired or engine gone)."""
+        self._free.extend(self.reuse.forget(holder))
         pinned = list(self._held.get(holder, ()))
         self.unpin(holder, pinned)
         self._held.pop(holder, None)
@@ -271,8 +313,9 @@ class SlotPool:
             self._remove_index(key, slot)
             if slot in self._pins:
                 self._orphans.add(slot)
+                self._orphan_key[slot] = key
             else:
-                self._free.append(slot)
+                self._retire(slot, key)
             removed += 1
         return removed
 
@@ -287,6 +330,9 @@ class SlotPool:
             "reserved": len(self._reserved),
             "pinned": len(self._pins),
             "orphans": len(self._orphans),
+            "awaiting_reuse": len(self.reuse),
+            "awaiting_reuse_peak": self.reuse.peak,
+            "watchers": self.reuse.watchers,
             **self.counters,
         }
 
@@ -296,6 +342,11 @@ class SlotPool:
         self.segments.clear()
 
     # --- internals -------------------------------------------------------------------
+
+    def _retire(self, slot: int, key: bytes | None) -> None:
+        """A slot leaves every index and pin: free now, or once every watcher saw `key` go."""
+        if not self.reuse.retire(slot, key):
+            self._free.append(slot)
 
     def _record(self, keys: list[bytes], added: bool) -> None:
         if self.on_change is not None and keys:
@@ -327,9 +378,10 @@ class SlotPool:
         self.counters["evicted"] += 1
         keepers = self.on_evict(key, slot) if self.on_evict is not None else []
         if not keepers:
-            self._free.append(slot)
+            self._retire(slot, key)
         else:
             self._orphans.add(slot)
+            self._orphan_key[slot] = key
             for keeper in keepers:
                 self.pin_slots(keeper, [slot])
 
