@@ -14,6 +14,7 @@ import pytest
 
 from kvstrata.tiers import disk as disk_module
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier, DiskTierError
+from kvstrata.tiers.disk import slab as disk_slab
 from tests.utils import key
 
 CHUNK = 16384
@@ -575,7 +576,7 @@ def test_a_verification_that_fails_to_run_is_a_miss_not_a_crash(tmp_path, tiers,
 @pytest.fixture
 def aligned(monkeypatch):
     """Test-sized chunks get the layout large ones get: payloads on 64 KiB boundaries."""
-    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", CHUNK)
+    monkeypatch.setattr(disk_slab, "ALIGNED_FROM_BYTES", CHUNK)
     return 64 << 10  # stride: the 16 KiB payload and its 48 KiB gap
 
 
@@ -597,7 +598,7 @@ def test_large_chunks_start_on_aligned_boundaries_and_survive_a_restart(tmp_path
     assert disk_bytes(tmp_path) == tier.stats()["allocated"] == 4 * record
     assert not tier.contains(NS, key(0))
     tier.close()
-    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", 1 << 20)  # the layout comes from the file name
+    monkeypatch.setattr(disk_slab, "ALIGNED_FROM_BYTES", 1 << 20)  # the layout comes from the file name
     again = open_tier(tiers, tmp_path, capacity=4 * record, direct_io=direct_io)
     reads = call_sizes(monkeypatch, "preadv")
     outs = {i: np.zeros(CHUNK, dtype=np.uint8) for i in range(1, 5)}
@@ -616,7 +617,7 @@ def test_a_packed_slab_written_before_keeps_serving_and_storing(tmp_path, tiers,
     first = open_tier(tiers, tmp_path)
     assert all(first.write_many(NS, [(key(i), chunk(i)) for i in range(3)]))
     first.close()
-    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", CHUNK)
+    monkeypatch.setattr(disk_slab, "ALIGNED_FROM_BYTES", CHUNK)
     again = open_tier(tiers, tmp_path)
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert again.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))

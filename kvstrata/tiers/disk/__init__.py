@@ -42,7 +42,6 @@ No Ray and no vLLM in here; calls may come from several I/O threads.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import mmap
@@ -54,18 +53,38 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.keys import SLOT_ALIGNMENT, align_down, align_up, key_name
-from kvstrata.tiers.policies import EvictionPolicy, make_policy
-from kvstrata.tiers.positions import Positions
+from kvstrata.keys import SLOT_ALIGNMENT, align_down, key_name
+from kvstrata.tiers.disk.slab import (
+    HEADERS_SUFFIX,
+    MAX_RUN,
+    OLD_SLAB_SUFFIX,
+    PAYLOADS_SUFFIX,
+    _aligned_buffer,
+    _parse_slab_name,
+    _read,
+    _runs,
+    _Slab,
+    _slab_name,
+    _write_fully,
+    payload_alignment,
+    record_disk_bytes,
+)
+from kvstrata.tiers.policies import make_policy
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, payload_hasher, recorded_digest, seal_header
+
+__all__ = [
+    "DIGEST_THREADS",
+    "HEADER_BYTES",
+    "HEADERS_SUFFIX",
+    "PAYLOADS_SUFFIX",
+    "DiskTier",
+    "DiskTierError",
+    "payload_alignment",
+    "record_disk_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
-PAYLOADS_SUFFIX = ".payloads"
-HEADERS_SUFFIX = ".headers"
-OLD_SLAB_SUFFIX = ".slab"  # the one-file layout: `[header | payload]` records
-# Records per pwritev/preadv (one iovec each), within Linux's IOV_MAX of 1024.
-MAX_RUN = 256
 # Bytes one pwritev/preadv moves at most (at least one record). Reads then keep a few
 # requests queued per thread instead of hundreds (measured with 4 threads on this VM's
 # disk: reads went from 1.5-1.8 to 2.0-2.4 GB/s at 1-8 MiB chunks, rotated A/B rounds),
@@ -81,15 +100,6 @@ RECOVERY_READ_BYTES = 4 << 20  # headers read per call at start-up
 # A slab's file grows by a quarter of its size, within these bounds (and the capacity).
 GROW_MIN_BYTES = 1 << 30
 GROW_MAX_BYTES = 8 << 30
-# Payloads of at least ALIGNED_FROM_BYTES start on a PAYLOAD_ALIGNMENT boundary of their
-# file (a stride of whole alignments; no gap when the payload is a multiple). Measured on this VM's
-# disk through the node store, same memory, same rounds, 2-32 MiB chunks: packed records
-# (each 4 KiB further off the last) wrote at 0.62-0.76x raw O_DIRECT and read at
-# 0.75-0.83x; 64 KiB-aligned payloads wrote at 0.85-0.95x and read at 0.83-0.88x. Below
-# 1 MiB the gap would cost more than 6% of the disk, so small chunks stay packed.
-# (Measured in the one-file layout, where every payload was 4 KiB further off the last.)
-PAYLOAD_ALIGNMENT = 64 << 10
-ALIGNED_FROM_BYTES = 1 << 20
 # Threads hashing runs for the I/O threads (xxhash releases the GIL): one hashes at
 # ~10 GB/s, several times what a disk moves; two keep an I/O thread from queueing
 # behind another's run.
@@ -98,11 +108,6 @@ DIGEST_THREADS = 2
 
 class DiskTierError(RuntimeError):
     """The disk tier cannot be used as configured; the message names the path and reason."""
-
-
-def _aligned_buffer(size: int) -> mmap.mmap:
-    """Anonymous mappings are page aligned, as O_DIRECT requires."""
-    return mmap.mmap(-1, size)
 
 
 class _SpareBuffers:
@@ -134,23 +139,6 @@ class _SpareBuffers:
         with self._lock:
             self._spare.extend(buffers[: max(0, self.KEEP - len(self._spare))])
 
-
-def _runs(records: list[int], max_records: int = MAX_RUN, first_records: int | None = None) -> list[tuple[int, int]]:
-    """[start, end) index ranges of sorted `records` that are neighbours on disk.
-
-    With `first_records`, runs start that long and double up to `max_records`.
-    """
-    runs = []
-    start = 0
-    limit = max_records if first_records is None else max(1, min(first_records, max_records))
-    while start < len(records):
-        end = start + 1
-        while end < len(records) and end - start < limit and records[end] == records[end - 1] + 1:
-            end += 1
-        runs.append((start, end))
-        start = end
-        limit = min(2 * limit, max_records)
-    return runs
 
 
 Segment = tuple[int, int, int]  # (index in the batch, first byte, end byte) of one record
@@ -200,154 +188,6 @@ def _wait_all(futures: list[Future]) -> None:
 def _wait_all_quietly(futures: list[Future]) -> None:
     for future in futures:
         future.exception()
-
-
-def _read(fd: int, iovecs: list[memoryview], offset: int) -> tuple[int, str]:
-    """One `preadv`: the bytes it read, and why it read fewer than asked, if it did.
-    An I/O error reads nothing: the records it touched are misses, not a crash."""
-    try:
-        return os.preadv(fd, iovecs, offset), "short read"
-    except OSError as exc:
-        return 0, exc.strerror or str(exc)
-
-
-def _write_fully(fd: int, iovecs: list[memoryview], offset: int) -> None:
-    """One `pwritev`; a short write is an I/O error."""
-    written = os.pwritev(fd, iovecs, offset)
-    if written != sum(v.nbytes for v in iovecs):
-        raise OSError(errno.EIO, f"short write ({written} bytes)")
-
-
-def _is_aligned(array: np.ndarray) -> bool:
-    return array.ctypes.data % SLOT_ALIGNMENT == 0 and array.nbytes % SLOT_ALIGNMENT == 0
-
-
-class _Slab:
-    """The records of one namespace: payloads in one file, headers in another. Callers hold the tier's lock."""
-
-    def __init__(
-        self, path: Path, namespace: str, payload_bytes: int, alignment: int, direct_io: bool, policy: EvictionPolicy
-    ):
-        self.path = path  # the payload file
-        self.header_path = path.with_suffix(HEADERS_SUFFIX)
-        self.namespace = namespace
-        self.payload_bytes = payload_bytes
-        self.body_bytes = align_up(payload_bytes)  # what one record's payload I/O moves
-        # Record r's payload starts at r * stride, on an `alignment` boundary; records of a
-        # packed slab touch, so neighbours share a call.
-        self.stride = _payload_stride(payload_bytes, alignment)
-        self.packed = self.stride == self.body_bytes
-        self.record_cost = HEADER_BYTES + self.stride  # disk bytes per record: what `capacity` counts
-        self.policy = policy
-        self.fd, self.direct = _open(path, direct_io)
-        try:
-            self.header_fd, _ = _open(self.header_path, self.direct)
-        except OSError:
-            os.close(self.fd)
-            raise
-        # Records [0, num_records) have been handed out at least once; the files hold
-        # reserved_end records (those beyond num_records are reserved: allocated, never used).
-        # A record cut short by a crash at the end of the file still counts: its read fails.
-        self.reserved_end = -(-os.fstat(self.fd).st_size // self.stride)
-        if os.fstat(self.header_fd).st_size > self.header_offset(self.reserved_end):
-            os.ftruncate(self.header_fd, self.header_offset(self.reserved_end))  # headers of no payload
-        self.num_records = self.reserved_end
-        self.growing = 0  # allocations in flight (outside the lock)
-        self.preallocate = True  # until the filesystem says it cannot
-        self.free: list[int] = []
-        self.index: dict[bytes, int] = {}
-        self.key_of: dict[int, bytes] = {}
-        self.busy: dict[int, int] = {}  # record -> I/O operations in flight
-        self.positions = Positions()
-
-    def offset(self, record: int) -> int:
-        """Where the record's payload starts in the payload file (and where `record` records end)."""
-        return record * self.stride
-
-    @staticmethod
-    def header_offset(record: int) -> int:
-        """Where the record's header starts in the header file."""
-        return record * HEADER_BYTES
-
-    def stage(
-        self, buffers: list[np.ndarray], take: Callable[[int], np.ndarray]
-    ) -> tuple[memoryview, list[memoryview], list[np.ndarray], list[bool]]:
-        """The header block and its views, record bodies and which bodies are staged, for one
-        batch of records (a run's headers are one slice of the block, as they are on disk).
-
-        A body is the caller's buffer itself when it spans the whole record body (and is
-        aligned, for O_DIRECT); otherwise an aligned staging slice the caller copies
-        through (`bounced`). `take(size)` gives aligned staging memory.
-        """
-        header_block = memoryview(take(HEADER_BYTES * len(buffers)))
-        headers = [header_block[n * HEADER_BYTES : (n + 1) * HEADER_BYTES] for n in range(len(buffers))]
-        bounced = [b.nbytes < self.body_bytes or (self.direct and not _is_aligned(b)) for b in buffers]
-        staging = take(self.body_bytes * sum(bounced)) if any(bounced) else None
-        bodies = []
-        staged = 0
-        for buffer, bounce in zip(buffers, bounced):
-            if bounce:
-                bodies.append(staging[staged * self.body_bytes : (staged + 1) * self.body_bytes])
-                staged += 1
-            else:
-                bodies.append(buffer[: self.body_bytes])
-        return header_block, headers, bodies, bounced
-
-    def truncate(self, records: int) -> None:
-        """Cut both files to `records` records (giving back what was reserved beyond)."""
-        os.ftruncate(self.fd, self.offset(records))
-        os.ftruncate(self.header_fd, self.header_offset(records))
-
-    def close(self) -> None:
-        os.close(self.fd)
-        os.close(self.header_fd)
-
-
-def _open(path: Path, direct_io: bool) -> tuple[int, bool]:
-    flags = os.O_RDWR | os.O_CREAT
-    if direct_io and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o600), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            logger.info("kvstrata disk tier: %s does not support O_DIRECT; using buffered I/O", path.parent)
-    return os.open(path, flags, 0o600), False
-
-
-def payload_alignment(payload_bytes: int) -> int:
-    """Where a new slab for chunks of this size starts their payloads (see `PAYLOAD_ALIGNMENT`)."""
-    return PAYLOAD_ALIGNMENT if payload_bytes >= ALIGNED_FROM_BYTES else SLOT_ALIGNMENT
-
-
-def _payload_stride(payload_bytes: int, alignment: int) -> int:
-    """Bytes from one payload's start to the next one's in a payload file."""
-    return align_up(align_up(payload_bytes), alignment)
-
-
-def record_disk_bytes(payload_bytes: int) -> int:
-    """Disk bytes one chunk takes in a new slab (what `capacity` counts): its header and its payload's stride."""
-    return HEADER_BYTES + _payload_stride(payload_bytes, payload_alignment(payload_bytes))
-
-
-def _slab_name(namespace: str, payload_bytes: int, alignment: int) -> str:
-    """`<namespace>-<payload bytes>[-a<alignment>].payloads` (the header file swaps the suffix)."""
-    suffix = "" if alignment == SLOT_ALIGNMENT else f"-a{alignment}"
-    return f"{namespace}-{payload_bytes}{suffix}{PAYLOADS_SUFFIX}"
-
-
-def _parse_slab_name(name: str) -> tuple[str, int, int] | None:
-    """(namespace, payload bytes, alignment) of a payload file name, or None for other files."""
-    stem = name.removesuffix(PAYLOADS_SUFFIX)
-    alignment = SLOT_ALIGNMENT
-    rest, _, last = stem.rpartition("-")
-    if last.startswith("a") and last[1:].isdigit():
-        alignment = int(last[1:])
-        stem = rest
-    namespace, _, size = stem.rpartition("-")
-    if not namespace or not size.isdigit() or alignment < SLOT_ALIGNMENT or alignment % SLOT_ALIGNMENT:
-        return None
-    return namespace, int(size), alignment
 
 
 class DiskTier:
@@ -514,7 +354,7 @@ class DiskTier:
             behind: int | None = None  # the run whose payloads are on disk and headers not yet
             try:
                 if growing:
-                    self._grow(slab, *grow)  # the disk is full: nothing of this batch is written
+                    slab.grow(*grow)  # the disk is full: nothing of this batch is written
                 for n_run, (start, end) in enumerate(runs):
                     if n_run + 1 < len(runs):
                         sealed.append(self._digests.submit(seal, *runs[n_run + 1]))
@@ -811,25 +651,6 @@ class DiskTier:
                 "kvstrata disk tier: %d reserved records of namespace %s given back for namespace %s",
                 unused, slab.namespace, asking.namespace,
             )  # fmt: skip
-
-    def _grow(self, slab: _Slab, start: int, end: int) -> None:
-        """Allocate the blocks of reserved records [start, end) (payloads and headers) before they are written.
-
-        Why: ext4 serialises O_DIRECT writes that extend a file (4 threads writing new
-        records measured 1.91 GB/s), while writes into allocated blocks run side by side
-        (2.15 GB/s, as fast as 4 separate files). Where the filesystem cannot allocate
-        ahead, records are written as before. Raises OSError when the disk is full.
-        """
-        if not slab.preallocate:
-            return
-        try:
-            os.posix_fallocate(slab.fd, slab.offset(start), slab.offset(end) - slab.offset(start))
-            os.posix_fallocate(slab.header_fd, slab.header_offset(start), slab.header_offset(end - start))
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-            slab.preallocate = False
-            logger.info("kvstrata disk tier: %s cannot allocate ahead (%s); new records are written as they come", slab.path, exc.strerror)
 
     @staticmethod
     def _unbusy(slab: _Slab, records: list[int]) -> None:
