@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.keys import SLOT_ALIGNMENT, align_down, key_name
+from kvstrata.keys import align_down, key_name
 from kvstrata.tiers.disk.slab import (
     HEADERS_SUFFIX,
     MAX_RUN,
@@ -69,6 +69,7 @@ from kvstrata.tiers.disk.slab import (
     payload_alignment,
     record_disk_bytes,
 )
+from kvstrata.tiers.disk.staging import DIGEST_THREADS, _SpareBuffers, _wait_all, _wait_all_quietly
 from kvstrata.tiers.policies import make_policy
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader, payload_hasher, recorded_digest, seal_header
 
@@ -100,44 +101,10 @@ RECOVERY_READ_BYTES = 4 << 20  # headers read per call at start-up
 # A slab's file grows by a quarter of its size, within these bounds (and the capacity).
 GROW_MIN_BYTES = 1 << 30
 GROW_MAX_BYTES = 8 << 30
-# Threads hashing runs for the I/O threads (xxhash releases the GIL): one hashes at
-# ~10 GB/s, several times what a disk moves; two keep an I/O thread from queueing
-# behind another's run.
-DIGEST_THREADS = 2
 
 
 class DiskTierError(RuntimeError):
     """The disk tier cannot be used as configured; the message names the path and reason."""
-
-
-class _SpareBuffers:
-    """Aligned staging memory (headers, unaligned bodies) lent to one batch at a time.
-
-    Why not one buffer per I/O thread: a read batch is verified on the digest threads after
-    its I/O thread has moved on to the next batch, which would overwrite a per-thread
-    buffer under a verification still running.
-    """
-
-    KEEP = 8  # buffers kept for reuse; more in flight at once are left to the collector
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._spare: list[mmap.mmap] = []
-
-    def lend(self, size: int, lent: list[mmap.mmap]) -> np.ndarray:
-        """`size` aligned bytes; the buffer behind them is added to `lent`, to be given back."""
-        with self._lock:
-            buffer = next((b for b in self._spare if len(b) >= size), None)
-            if buffer is not None:
-                self._spare.remove(buffer)
-        if buffer is None:
-            buffer = _aligned_buffer(max(size, SLOT_ALIGNMENT))
-        lent.append(buffer)
-        return np.frombuffer(buffer, dtype=np.uint8, count=size)
-
-    def give(self, buffers: list[mmap.mmap]) -> None:
-        with self._lock:
-            self._spare.extend(buffers[: max(0, self.KEEP - len(self._spare))])
 
 
 
@@ -176,18 +143,6 @@ def _read_pieces(
             n, first = (n + 1, 0) if end == record_bytes else (n, end)
         pieces.append(piece)
     return pieces
-
-
-def _wait_all(futures: list[Future]) -> None:
-    """Wait for every future, then raise the first failure, if any."""
-    _wait_all_quietly(futures)
-    for future in futures:
-        future.result()
-
-
-def _wait_all_quietly(futures: list[Future]) -> None:
-    for future in futures:
-        future.exception()
 
 
 class DiskTier:
