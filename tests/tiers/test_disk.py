@@ -14,6 +14,7 @@ import pytest
 
 from kvstrata.tiers import disk as disk_module
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier, DiskTierError
+from kvstrata.tiers.disk import index as disk_index
 from kvstrata.tiers.disk import slab as disk_slab
 from tests.utils import key
 
@@ -221,7 +222,7 @@ def test_a_batch_takes_free_records_then_new_ones_then_evicts_only_the_shortfall
 
 
 def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers, monkeypatch):
-    monkeypatch.setattr(disk_module, "GROW_MIN_BYTES", HEADER_BYTES + CHUNK)  # grow one record at a time
+    monkeypatch.setattr(disk_index, "GROW_MIN_BYTES", HEADER_BYTES + CHUNK)  # grow one record at a time
     tier = open_tier(tiers, tmp_path, capacity=1 << 30, direct_io=False)
     assert tier.write(NS, key(0), chunk(0))
     limit = os.path.getsize(payload_file(tmp_path)) + CHUNK // 2  # room for less than one more payload
@@ -465,7 +466,7 @@ def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monk
 
 def test_a_slab_grows_ahead_in_steps_allocated_before_they_are_written(tmp_path, tiers, monkeypatch):
     record = CHUNK + HEADER_BYTES
-    monkeypatch.setattr(disk_module, "GROW_MIN_BYTES", 4 * record)
+    monkeypatch.setattr(disk_index, "GROW_MIN_BYTES", 4 * record)
     grown = []
     real_fallocate = os.posix_fallocate
 
