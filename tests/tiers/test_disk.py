@@ -15,6 +15,7 @@ import pytest
 from kvstrata.tiers import disk as disk_module
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier, DiskTierError
 from kvstrata.tiers.disk import index as disk_index
+from kvstrata.tiers.disk import reads as disk_reads
 from kvstrata.tiers.disk import slab as disk_slab
 from tests.utils import key
 
@@ -310,13 +311,13 @@ def test_a_read_returns_to_its_thread_before_it_is_verified(tmp_path, tiers, mon
     tier = open_tier(tiers, tmp_path)
     assert all(tier.write_many(NS, [(key(i), chunk(i, size)) for i in range(4)]))
     release = threading.Event()
-    real = disk_module.payload_hasher
+    real = disk_reads.payload_hasher
 
     def held(namespace, chunk_key):
         assert release.wait(10)
         return real(namespace, chunk_key)
 
-    monkeypatch.setattr(disk_module, "payload_hasher", held)
+    monkeypatch.setattr(disk_reads, "payload_hasher", held)
     outs = [np.zeros(size, dtype=np.uint8) for _ in range(4)]
     first = tier.start_reads(NS, [(key(i), outs[i]) for i in (0, 1)])
     second = tier.start_reads(NS, [(key(i), outs[i]) for i in (2, 3)])
@@ -353,7 +354,7 @@ def test_evicting_a_full_attention_chunk_drops_the_other_groups_at_its_position(
 
 def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path, tiers, monkeypatch):
     """Reads keep few requests queued (READ_RUN_BYTES per call); every chunk still verifies."""
-    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 3 * CHUNK)
+    monkeypatch.setattr(disk_reads, "READ_RUN_BYTES", 3 * CHUNK)
     tier = open_tier(tiers, tmp_path)
     keys = [key(i) for i in range(10)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
@@ -369,7 +370,7 @@ def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path
 def test_reads_are_planned_as_bounded_aligned_ranges_that_shrink_at_the_end():
     record = 5 * 4096
     records = [0, 1, 2, 7]  # record 7 is no neighbour of record 2
-    pieces = disk_module._read_pieces(records, record, piece_bytes=8192, last_bytes=4096)
+    pieces = disk_reads._read_pieces(records, record, piece_bytes=8192, last_bytes=4096)
     segments = [segment for piece in pieces for segment in piece]
     # Every byte of every record exactly once, in order.
     assert [n for n, _, _ in segments] == sorted(n for n, _, _ in segments)
@@ -388,10 +389,10 @@ def test_reads_are_planned_as_bounded_aligned_ranges_that_shrink_at_the_end():
 def test_a_read_never_leaves_a_sliver_of_a_record_for_a_call_of_its_own():
     """A payload as large as a read plus its header was read as one full read, then a 4 KiB one."""
     record = 3 * 4096  # a two-page payload and its header
-    pieces = disk_module._read_pieces([0, 5], record, piece_bytes=8192, last_bytes=8192, packed=False)
+    pieces = disk_reads._read_pieces([0, 5], record, piece_bytes=8192, last_bytes=8192, packed=False)
     assert pieces == [[(0, 0, record)], [(1, 0, record)]]
     # Where the rest is no sliver, a record is still split, and its last reads halve.
-    pieces = disk_module._read_pieces([0], 5 * 4096, piece_bytes=8192, last_bytes=4096, packed=False)
+    pieces = disk_reads._read_pieces([0], 5 * 4096, piece_bytes=8192, last_bytes=4096, packed=False)
     assert [end - first for piece in pieces for _, first, end in piece] == [8192, 4096, 4096, 4096]
 
 
@@ -399,8 +400,8 @@ def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, 
     """Records bigger than READ_RUN_BYTES are read in pieces and hashed as each piece lands:
     every byte still counts, wherever a flipped byte or a torn end falls."""
     record = CHUNK
-    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 8192)
-    monkeypatch.setattr(disk_module, "LAST_READ_BYTES", 4096)
+    monkeypatch.setattr(disk_reads, "READ_RUN_BYTES", 8192)
+    monkeypatch.setattr(disk_reads, "LAST_READ_BYTES", 4096)
     tier = open_tier(tiers, tmp_path, direct_io=direct_io)
     keys = [key(i) for i in range(3)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
@@ -565,7 +566,7 @@ def test_a_verification_that_fails_to_run_is_a_miss_not_a_crash(tmp_path, tiers,
         raise RuntimeError("verifier broke")
 
     with monkeypatch.context() as patched:
-        patched.setattr(disk_module, "payload_hasher", broken)
+        patched.setattr(disk_reads, "payload_hasher", broken)
         out = np.zeros(CHUNK, dtype=np.uint8)
         assert tier.read_many(NS, [(key(1), out)]) == [False]
     assert "not verified" in caplog.text and tier.stats()["read_errors"] == 1
