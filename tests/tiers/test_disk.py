@@ -17,6 +17,7 @@ from kvstrata.tiers.disk import HEADER_BYTES, DiskTier, DiskTierError
 from kvstrata.tiers.disk import index as disk_index
 from kvstrata.tiers.disk import reads as disk_reads
 from kvstrata.tiers.disk import slab as disk_slab
+from kvstrata.tiers.disk import writes as disk_writes
 from tests.utils import key
 
 CHUNK = 16384
@@ -425,8 +426,8 @@ def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, 
 def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verified(tmp_path, tiers, monkeypatch):
     """Writes start short and double up to WRITE_RUN_BYTES while the digest threads seal the
     next run; each run's headers go out in one call after its payloads, and after the next run's."""
-    monkeypatch.setattr(disk_module, "FIRST_WRITE_RUN_BYTES", CHUNK)
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 4 * CHUNK)
+    monkeypatch.setattr(disk_writes, "FIRST_WRITE_RUN_BYTES", CHUNK)
+    monkeypatch.setattr(disk_writes, "WRITE_RUN_BYTES", 4 * CHUNK)
     tier = open_tier(tiers, tmp_path)
     sizes = call_sizes(monkeypatch, "pwritev", kind=None)
     keys = [key(i) for i in range(10)]
@@ -443,7 +444,7 @@ def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verifie
 
 
 def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monkeypatch):
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * CHUNK)
+    monkeypatch.setattr(disk_writes, "WRITE_RUN_BYTES", 2 * CHUNK)
     tier = open_tier(tiers, tmp_path, direct_io=False)
     real_pwritev = os.pwritev
     calls = []
@@ -510,7 +511,7 @@ def test_a_filesystem_that_cannot_allocate_ahead_still_stores(tmp_path, tiers, m
 
 
 def test_a_disk_too_full_to_allocate_new_records_stores_nothing_of_the_batch(tmp_path, tiers, monkeypatch):
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * CHUNK)
+    monkeypatch.setattr(disk_writes, "WRITE_RUN_BYTES", 2 * CHUNK)
     tier = open_tier(tiers, tmp_path)
 
     def full(fd, start, size):
@@ -549,7 +550,7 @@ def test_a_failure_while_sealing_gives_every_record_back(tmp_path, tiers, monkey
         raise RuntimeError("digest failed")
 
     with monkeypatch.context() as patched:
-        patched.setattr(disk_module, "seal_header", broken)
+        patched.setattr(disk_writes, "seal_header", broken)
         with pytest.raises(RuntimeError, match="digest failed"):
             tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)])
     assert tier.keys(NS) == []
@@ -633,7 +634,7 @@ def test_a_crash_between_a_runs_payloads_and_its_headers_is_never_served(tmp_pat
     the new payload, which fails its digest."""
     tier = open_tier(tiers, tmp_path, capacity=CHUNK + HEADER_BYTES)  # one record
     assert tier.write(NS, key(1), chunk(1))
-    real = disk_module._write_fully
+    real = disk_writes._write_fully
     writes: list[tuple[str, int]] = []
 
     def crash_at_the_header(fd, iovecs, offset):
@@ -642,7 +643,7 @@ def test_a_crash_between_a_runs_payloads_and_its_headers_is_never_served(tmp_pat
             raise OSError(5, "the store was killed here")
         real(fd, iovecs, offset)
 
-    monkeypatch.setattr(disk_module, "_write_fully", crash_at_the_header)
+    monkeypatch.setattr(disk_writes, "_write_fully", crash_at_the_header)
     assert not tier.write(NS, key(2), page_aligned_chunk(2))  # key(1) was evicted for it
     assert writes == [("payloads", CHUNK), ("headers", HEADER_BYTES)]
     tier.close()

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import mmap
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,18 +56,15 @@ from kvstrata.tiers.disk.index import SlabIndex
 from kvstrata.tiers.disk.reads import read_batch
 from kvstrata.tiers.disk.slab import (
     HEADERS_SUFFIX,
-    MAX_RUN,
     PAYLOADS_SUFFIX,
     _aligned_buffer,
-    _runs,
-    _Slab,
-    _write_fully,
     payload_alignment,
     record_disk_bytes,
 )
-from kvstrata.tiers.disk.staging import DIGEST_THREADS, _SpareBuffers, _wait_all, _wait_all_quietly
+from kvstrata.tiers.disk.staging import DIGEST_THREADS, _SpareBuffers
+from kvstrata.tiers.disk.writes import write_batch
 from kvstrata.tiers.policies import make_policy
-from kvstrata.tiers.records import HEADER_BYTES, seal_header
+from kvstrata.tiers.records import HEADER_BYTES
 
 __all__ = [
     "DIGEST_THREADS",
@@ -82,9 +78,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-WRITE_RUN_BYTES = 32 << 20
-FIRST_WRITE_RUN_BYTES = 1 << 20
 
 
 class DiskTierError(RuntimeError):
@@ -198,72 +191,12 @@ class DiskTier(SlabIndex):
             grow = (reserved_before, slab.reserved_end)
             growing = grow[1] > grow[0]
             slab.growing += growing
-        error: OSError | None = None
-        sealed: list[Future] = []
-        lent: list[mmap.mmap] = []
-        runs: list[tuple[int, int]] = []
-        written_runs: list[int] = []  # runs whose payloads and headers are both on disk
+        failed = set(range(len(todo)))  # every record, unless the batch's I/O returns
         try:
-            header_block, headers, bodies, bounced = slab.stage(
-                [payloads[i] for i, _ in todo], lambda size: self._spare.lend(size, lent)
+            failed, error = write_batch(
+                slab, namespace, items, payloads, todo, self._spare, self._digests, grow if growing else None
             )
-
-            def seal(start: int, end: int) -> None:
-                for n in range(start, end):
-                    i = todo[n][0]
-                    payload = payloads[i]
-                    seal_header(headers[n], namespace, items[i][0], payload)
-                    if bounced[n]:
-                        bodies[n][: payload.nbytes] = payload
-                        bodies[n][payload.nbytes :] = 0
-
-            def write_headers(run: int) -> None:
-                start, end = runs[run]
-                sealed[run].result()
-                block = header_block[start * HEADER_BYTES : end * HEADER_BYTES]
-                _write_fully(slab.header_fd, [block], slab.header_offset(todo[start][1]))
-                written_runs.append(run)
-
-            # The first run is short and each doubles: a first run of staged records waits
-            # for its seal (which copies it), and every later seal hides behind the write before it.
-            runs = _runs(
-                [record for _, record in todo],
-                self._per_run(slab, WRITE_RUN_BYTES),
-                first_records=self._per_run(slab, FIRST_WRITE_RUN_BYTES),
-            )
-            # One run sealed ahead: queued all at once, one job's first run would wait behind
-            # every run of the jobs before it (measured: 40-60 ms per job at 256 KiB chunks).
-            sealed.append(self._digests.submit(seal, *runs[0]))
-            behind: int | None = None  # the run whose payloads are on disk and headers not yet
-            try:
-                if growing:
-                    slab.grow(*grow)  # the disk is full: nothing of this batch is written
-                for n_run, (start, end) in enumerate(runs):
-                    if n_run + 1 < len(runs):
-                        sealed.append(self._digests.submit(seal, *runs[n_run + 1]))
-                    if any(bounced[start:end]):
-                        sealed[n_run].result()  # the seal copies these payloads into staging
-                    try:
-                        iovecs = [memoryview(bodies[n]) for n in range(start, end)]
-                        _write_fully(slab.fd, iovecs, slab.offset(todo[start][1]))
-                    finally:
-                        # The headers of a run go out after the payloads of the next: the disk
-                        # does not wait for a digest still queued behind other jobs' seals
-                        # (measured at 256 KiB chunks: a job's first seal came 5-26 ms late).
-                        if behind is not None:
-                            write_headers(behind)
-                    behind = n_run
-                write_headers(behind)
-            except OSError as exc:  # the disk is full or failing: the rest of the batch is not written
-                error = exc
-            _wait_all(sealed)  # nothing touches the staging buffers once we return
-        except BaseException:  # a bug, not an I/O error: give every record back, then raise
-            _wait_all_quietly(sealed)
-            written_runs.clear()
-            raise
         finally:
-            failed = set(range(len(todo))).difference(*(range(*runs[run]) for run in written_runs))
-            self._spare.give(lent)
             with self._lock:
                 slab.growing -= growing
                 written: list[bytes] = []
@@ -391,11 +324,3 @@ class DiskTier(SlabIndex):
             if self._dir_lock >= 0:
                 os.close(self._dir_lock)
                 self._dir_lock = -1
-
-    # --- internals --------------------------------------------------------------------
-
-    @staticmethod
-    def _per_run(slab: _Slab, run_bytes: int) -> int:
-        """Records per write run: neighbours share a call only where they touch on disk."""
-        return max(1, min(MAX_RUN, run_bytes // slab.body_bytes)) if slab.packed else 1
-
