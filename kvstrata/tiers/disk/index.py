@@ -16,8 +16,8 @@ Invariants:
   one-file layout are removed, with one log line.
 
 Must not touch: payload bytes, digests or the data path's threads (`reads.py`,
-`writes.py`). It reads headers only at start-up, and changes files only by truncating
-reservations it gives back.
+`writes.py`). Besides opening slabs, it reads only headers, at start-up, and changes
+files only to give back reservations or to remove slab files of the one-file layout.
 """
 
 from __future__ import annotations

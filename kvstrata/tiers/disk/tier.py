@@ -7,7 +7,7 @@ digest threads and spare buffers the data path uses, and admission.
 Invariants:
 - Each call does its index part under the lock and its I/O outside it: records are
   allocated and marked busy before `writes`/`reads` touch them, and settled (indexed,
-  freed or dropped, announced, counted) under the lock afterwards, whatever happened.
+  freed or dropped, announced, counted) under the lock when their I/O is over.
 - Disk full or I/O errors stop admission (logged once, counted); reads go on.
 - A chunk removed has its header wiped, so a restart does not bring it back.
 
