@@ -14,8 +14,8 @@ from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager
-from kvstrata.tiers import disk as disk_module
 from kvstrata.tiers.disk import HEADER_BYTES
+from kvstrata.tiers.disk import reads as disk_reads
 from tests.connector.harness import SLOT, ctx, step, store_chunks
 from tests.utils import flip_disk_payload_bytes, key, layout, store_config
 
@@ -271,7 +271,7 @@ def test_closing_the_store_lets_promotions_being_verified_finish(env, monkeypatc
     pool.drop_holder("bulk")
     pool.purge()
     release, closing = threading.Event(), threading.Event()
-    real_hasher, real_close = disk_module.payload_hasher, store.disk.close
+    real_hasher, real_close = disk_reads.payload_hasher, store.disk.close
 
     def held(namespace, chunk_key):
         assert release.wait(10)
@@ -281,7 +281,7 @@ def test_closing_the_store_lets_promotions_being_verified_finish(env, monkeypatc
         closing.set()
         real_close()
 
-    monkeypatch.setattr(disk_module, "payload_hasher", held)
+    monkeypatch.setattr(disk_reads, "payload_hasher", held)
     monkeypatch.setattr(store.disk, "close", close_disk)
     assert len(store.step(StepRequest("bulk", "ns", pin=keys)).pending) == 4
     closer = threading.Thread(target=store.close)

@@ -14,6 +14,10 @@ import pytest
 
 from kvstrata.tiers import disk as disk_module
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier, DiskTierError
+from kvstrata.tiers.disk import index as disk_index
+from kvstrata.tiers.disk import reads as disk_reads
+from kvstrata.tiers.disk import slab as disk_slab
+from kvstrata.tiers.disk import writes as disk_writes
 from tests.utils import key
 
 CHUNK = 16384
@@ -220,7 +224,7 @@ def test_a_batch_takes_free_records_then_new_ones_then_evicts_only_the_shortfall
 
 
 def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers, monkeypatch):
-    monkeypatch.setattr(disk_module, "GROW_MIN_BYTES", HEADER_BYTES + CHUNK)  # grow one record at a time
+    monkeypatch.setattr(disk_index, "GROW_MIN_BYTES", HEADER_BYTES + CHUNK)  # grow one record at a time
     tier = open_tier(tiers, tmp_path, capacity=1 << 30, direct_io=False)
     assert tier.write(NS, key(0), chunk(0))
     limit = os.path.getsize(payload_file(tmp_path)) + CHUNK // 2  # room for less than one more payload
@@ -308,13 +312,13 @@ def test_a_read_returns_to_its_thread_before_it_is_verified(tmp_path, tiers, mon
     tier = open_tier(tiers, tmp_path)
     assert all(tier.write_many(NS, [(key(i), chunk(i, size)) for i in range(4)]))
     release = threading.Event()
-    real = disk_module.payload_hasher
+    real = disk_reads.payload_hasher
 
     def held(namespace, chunk_key):
         assert release.wait(10)
         return real(namespace, chunk_key)
 
-    monkeypatch.setattr(disk_module, "payload_hasher", held)
+    monkeypatch.setattr(disk_reads, "payload_hasher", held)
     outs = [np.zeros(size, dtype=np.uint8) for _ in range(4)]
     first = tier.start_reads(NS, [(key(i), outs[i]) for i in (0, 1)])
     second = tier.start_reads(NS, [(key(i), outs[i]) for i in (2, 3)])
@@ -351,7 +355,7 @@ def test_evicting_a_full_attention_chunk_drops_the_other_groups_at_its_position(
 
 def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path, tiers, monkeypatch):
     """Reads keep few requests queued (READ_RUN_BYTES per call); every chunk still verifies."""
-    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 3 * CHUNK)
+    monkeypatch.setattr(disk_reads, "READ_RUN_BYTES", 3 * CHUNK)
     tier = open_tier(tiers, tmp_path)
     keys = [key(i) for i in range(10)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
@@ -367,7 +371,7 @@ def test_a_long_run_of_neighbours_is_read_in_bounded_calls_and_verified(tmp_path
 def test_reads_are_planned_as_bounded_aligned_ranges_that_shrink_at_the_end():
     record = 5 * 4096
     records = [0, 1, 2, 7]  # record 7 is no neighbour of record 2
-    pieces = disk_module._read_pieces(records, record, piece_bytes=8192, last_bytes=4096)
+    pieces = disk_reads._read_pieces(records, record, piece_bytes=8192, last_bytes=4096)
     segments = [segment for piece in pieces for segment in piece]
     # Every byte of every record exactly once, in order.
     assert [n for n, _, _ in segments] == sorted(n for n, _, _ in segments)
@@ -386,10 +390,10 @@ def test_reads_are_planned_as_bounded_aligned_ranges_that_shrink_at_the_end():
 def test_a_read_never_leaves_a_sliver_of_a_record_for_a_call_of_its_own():
     """A payload as large as a read plus its header was read as one full read, then a 4 KiB one."""
     record = 3 * 4096  # a two-page payload and its header
-    pieces = disk_module._read_pieces([0, 5], record, piece_bytes=8192, last_bytes=8192, packed=False)
+    pieces = disk_reads._read_pieces([0, 5], record, piece_bytes=8192, last_bytes=8192, packed=False)
     assert pieces == [[(0, 0, record)], [(1, 0, record)]]
     # Where the rest is no sliver, a record is still split, and its last reads halve.
-    pieces = disk_module._read_pieces([0], 5 * 4096, piece_bytes=8192, last_bytes=4096, packed=False)
+    pieces = disk_reads._read_pieces([0], 5 * 4096, piece_bytes=8192, last_bytes=4096, packed=False)
     assert [end - first for piece in pieces for _, first, end in piece] == [8192, 4096, 4096, 4096]
 
 
@@ -397,8 +401,8 @@ def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, 
     """Records bigger than READ_RUN_BYTES are read in pieces and hashed as each piece lands:
     every byte still counts, wherever a flipped byte or a torn end falls."""
     record = CHUNK
-    monkeypatch.setattr(disk_module, "READ_RUN_BYTES", 8192)
-    monkeypatch.setattr(disk_module, "LAST_READ_BYTES", 4096)
+    monkeypatch.setattr(disk_reads, "READ_RUN_BYTES", 8192)
+    monkeypatch.setattr(disk_reads, "LAST_READ_BYTES", 4096)
     tier = open_tier(tiers, tmp_path, direct_io=direct_io)
     keys = [key(i) for i in range(3)]
     assert all(tier.write_many(NS, [(k, chunk(i)) for i, k in enumerate(keys)]))
@@ -422,8 +426,8 @@ def test_a_chunk_larger_than_a_read_is_verified_piece_by_piece(tmp_path, tiers, 
 def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verified(tmp_path, tiers, monkeypatch):
     """Writes start short and double up to WRITE_RUN_BYTES while the digest threads seal the
     next run; each run's headers go out in one call after its payloads, and after the next run's."""
-    monkeypatch.setattr(disk_module, "FIRST_WRITE_RUN_BYTES", CHUNK)
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 4 * CHUNK)
+    monkeypatch.setattr(disk_writes, "FIRST_WRITE_RUN_BYTES", CHUNK)
+    monkeypatch.setattr(disk_writes, "WRITE_RUN_BYTES", 4 * CHUNK)
     tier = open_tier(tiers, tmp_path)
     sizes = call_sizes(monkeypatch, "pwritev", kind=None)
     keys = [key(i) for i in range(10)]
@@ -440,7 +444,7 @@ def test_a_long_run_is_written_in_growing_bounded_calls_sealed_apart_and_verifie
 
 
 def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monkeypatch):
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * CHUNK)
+    monkeypatch.setattr(disk_writes, "WRITE_RUN_BYTES", 2 * CHUNK)
     tier = open_tier(tiers, tmp_path, direct_io=False)
     real_pwritev = os.pwritev
     calls = []
@@ -464,7 +468,7 @@ def test_a_write_that_fails_midway_stores_nothing_after_it(tmp_path, tiers, monk
 
 def test_a_slab_grows_ahead_in_steps_allocated_before_they_are_written(tmp_path, tiers, monkeypatch):
     record = CHUNK + HEADER_BYTES
-    monkeypatch.setattr(disk_module, "GROW_MIN_BYTES", 4 * record)
+    monkeypatch.setattr(disk_index, "GROW_MIN_BYTES", 4 * record)
     grown = []
     real_fallocate = os.posix_fallocate
 
@@ -507,7 +511,7 @@ def test_a_filesystem_that_cannot_allocate_ahead_still_stores(tmp_path, tiers, m
 
 
 def test_a_disk_too_full_to_allocate_new_records_stores_nothing_of_the_batch(tmp_path, tiers, monkeypatch):
-    monkeypatch.setattr(disk_module, "WRITE_RUN_BYTES", 2 * CHUNK)
+    monkeypatch.setattr(disk_writes, "WRITE_RUN_BYTES", 2 * CHUNK)
     tier = open_tier(tiers, tmp_path)
 
     def full(fd, start, size):
@@ -546,7 +550,7 @@ def test_a_failure_while_sealing_gives_every_record_back(tmp_path, tiers, monkey
         raise RuntimeError("digest failed")
 
     with monkeypatch.context() as patched:
-        patched.setattr(disk_module, "seal_header", broken)
+        patched.setattr(disk_writes, "seal_header", broken)
         with pytest.raises(RuntimeError, match="digest failed"):
             tier.write_many(NS, [(key(i), chunk(i)) for i in range(4)])
     assert tier.keys(NS) == []
@@ -563,7 +567,7 @@ def test_a_verification_that_fails_to_run_is_a_miss_not_a_crash(tmp_path, tiers,
         raise RuntimeError("verifier broke")
 
     with monkeypatch.context() as patched:
-        patched.setattr(disk_module, "payload_hasher", broken)
+        patched.setattr(disk_reads, "payload_hasher", broken)
         out = np.zeros(CHUNK, dtype=np.uint8)
         assert tier.read_many(NS, [(key(1), out)]) == [False]
     assert "not verified" in caplog.text and tier.stats()["read_errors"] == 1
@@ -575,7 +579,7 @@ def test_a_verification_that_fails_to_run_is_a_miss_not_a_crash(tmp_path, tiers,
 @pytest.fixture
 def aligned(monkeypatch):
     """Test-sized chunks get the layout large ones get: payloads on 64 KiB boundaries."""
-    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", CHUNK)
+    monkeypatch.setattr(disk_slab, "ALIGNED_FROM_BYTES", CHUNK)
     return 64 << 10  # stride: the 16 KiB payload and its 48 KiB gap
 
 
@@ -597,7 +601,7 @@ def test_large_chunks_start_on_aligned_boundaries_and_survive_a_restart(tmp_path
     assert disk_bytes(tmp_path) == tier.stats()["allocated"] == 4 * record
     assert not tier.contains(NS, key(0))
     tier.close()
-    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", 1 << 20)  # the layout comes from the file name
+    monkeypatch.setattr(disk_slab, "ALIGNED_FROM_BYTES", 1 << 20)  # the layout comes from the file name
     again = open_tier(tiers, tmp_path, capacity=4 * record, direct_io=direct_io)
     reads = call_sizes(monkeypatch, "preadv")
     outs = {i: np.zeros(CHUNK, dtype=np.uint8) for i in range(1, 5)}
@@ -616,7 +620,7 @@ def test_a_packed_slab_written_before_keeps_serving_and_storing(tmp_path, tiers,
     first = open_tier(tiers, tmp_path)
     assert all(first.write_many(NS, [(key(i), chunk(i)) for i in range(3)]))
     first.close()
-    monkeypatch.setattr(disk_module, "ALIGNED_FROM_BYTES", CHUNK)
+    monkeypatch.setattr(disk_slab, "ALIGNED_FROM_BYTES", CHUNK)
     again = open_tier(tiers, tmp_path)
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert again.read_into(NS, key(1), out) and np.array_equal(out, chunk(1))
@@ -630,7 +634,7 @@ def test_a_crash_between_a_runs_payloads_and_its_headers_is_never_served(tmp_pat
     the new payload, which fails its digest."""
     tier = open_tier(tiers, tmp_path, capacity=CHUNK + HEADER_BYTES)  # one record
     assert tier.write(NS, key(1), chunk(1))
-    real = disk_module._write_fully
+    real = disk_writes._write_fully
     writes: list[tuple[str, int]] = []
 
     def crash_at_the_header(fd, iovecs, offset):
@@ -639,7 +643,7 @@ def test_a_crash_between_a_runs_payloads_and_its_headers_is_never_served(tmp_pat
             raise OSError(5, "the store was killed here")
         real(fd, iovecs, offset)
 
-    monkeypatch.setattr(disk_module, "_write_fully", crash_at_the_header)
+    monkeypatch.setattr(disk_writes, "_write_fully", crash_at_the_header)
     assert not tier.write(NS, key(2), page_aligned_chunk(2))  # key(1) was evicted for it
     assert writes == [("payloads", CHUNK), ("headers", HEADER_BYTES)]
     tier.close()
