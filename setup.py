@@ -2,7 +2,7 @@
 
 `kvstrata.connector._rowcopy` batches the CPU copy engine's page copies into one call.
 It is optional: without a C compiler the install still succeeds and the copy engine
-uses numpy copies (slower for pages under ~1 MiB; see README "Measured").
+uses numpy copies (slower for pages under ~1 MiB; see docs/benchmarks.md, "Arena copy").
 """
 
 from setuptools import Extension, setup
