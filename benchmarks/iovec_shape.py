@@ -1,17 +1,17 @@
 """How the memory shape of one O_DIRECT `pwritev`/`preadv` changes what this disk moves.
 
-The disk tier writes a run of records as one `pwritev` of [header, payload, header,
-payload, ...]: 4 KiB headers from staging memory between payloads in arena slots. This
-measures the same bytes to the same file offsets in three shapes, 4 threads, each a
+The disk tier wrote a run of records as one `pwritev` of [header, payload, header,
+payload, ...] until 0d6d5a5; since then it uses the `split files` shape below (payloads in
+one file, each run's headers as one block in a second). This measures the same bytes to the same file offsets in three shapes, 4 threads, each a
 contiguous share of the file, `--per-call` records per call:
 
   chunk per call   one payload per call, no headers: the shape of tier_throughput.py's raw
                    O_DIRECT reference (a), the reference of the ratios here
   one piece        one contiguous buffer per call (headers and payloads already side by side)
-  headers between  the tier's shape: a 4 KiB header iovec before every payload iovec
+  headers between  the tier's former shape: a 4 KiB header iovec before every payload iovec
   payloads only    the payloads alone, one iovec each (the file holds no headers)
   split files      payloads alone in one file, then the run's headers as one block in a
-                   second file: two calls per run (a layout the tier could adopt)
+                   second file: two calls per run (the tier's shape since 0d6d5a5)
 
 Writes are cold (a freshly `posix_fallocate`d file, as a new slab) and warm (the same file
 again); reads follow the warm write. Shapes rotate order every round; medians (of the ratios: side by side).

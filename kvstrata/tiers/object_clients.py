@@ -6,7 +6,7 @@ credentials:
 
 - `PyArrowS3Client`, for `s3://` URLs: pyarrow's C++ S3 client. Measured here against
   SeaweedFS on loopback: GETs as fast as s3fs at best and far steadier, PUTs up to 1.6x
-  s3fs for 32 MiB objects (it uploads parts in parallel) (README). Requests are bounded
+  s3fs for 32 MiB objects (it uploads parts in parallel) (docs/benchmarks.md). Requests are bounded
   by libcurl's connect and low-speed timeouts and the SDK's retry strategy
   (max_attempts, backoff with jitter) -- but measured, a PUT with a body against a
   black-holed endpoint takes ~8 s per attempt whatever the timeouts, so the tier bounds
