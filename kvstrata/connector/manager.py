@@ -47,33 +47,17 @@ from kvstrata.connector.compat import (
     override,
 )
 from kvstrata.connector.control import ControlChannel
+from kvstrata.connector.metrics import COUNTER_NAMES, GAUGE_NAMES, metric_name, take_stats
 from kvstrata.keys import Layout, key_group, key_hash, key_name
 from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["COUNTER_NAMES", "GAUGE_NAMES", "MAX_RESERVE_TARGET", "ArenaSlotsSpec", "StrataManager", "metric_name"]
+
 # A stock larger than this is hoarding slots other engines on the node could use.
 MAX_RESERVE_TARGET = 4096
-
-COUNTER_NAMES = {
-    "chunks_loaded": "Chunks loaded from the kvstrata node arena into the KV cache.",
-    "chunks_stored": "Chunks written into the kvstrata node arena and committed.",
-    "stores_dropped_no_slot": "Chunks not stored because no reserved arena slot was free.",
-    "stores_failed": "Chunk stores the engine reported as failed.",
-    "pins_missed": "Chunks believed resident that were gone when the pin arrived (misses).",
-    "chunks_promoted": "Hits that waited for the node store to bring the chunk from disk into the arena.",
-    "control_failures": "Control calls to the node store that failed or timed out.",
-    "lookups_timed_out": "Lookups answered MISS because the chunk was not pinned within lookup_wait_seconds.",
-}
-GAUGE_NAMES = {
-    "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",
-    "pinned_chunks": "Arena chunks pinned by this engine.",
-}
-
-
-def metric_name(name: str) -> str:
-    return f"kvstrata:{name}"
 
 
 class ArenaSlotsSpec(BlockIDsLoadStoreSpec):
@@ -389,15 +373,8 @@ class StrataManager(OffloadingManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         with self._lock:
-            stats = OffloadingConnectorStats()
-            for name, value in self._counters.items():
-                delta = value - self._reported[name]
-                if delta:
-                    stats.increase_counter(metric_name(name), delta)
-                    self._reported[name] = value
-            stats.set_gauge(metric_name("reserved_slots"), len(self._stock))
-            stats.set_gauge(metric_name("pinned_chunks"), len(self._pinned))
-            return stats
+            gauges = {"reserved_slots": len(self._stock), "pinned_chunks": len(self._pinned)}
+            return take_stats(self._counters, self._reported, gauges)
 
     @override
     def shutdown(self) -> None:
