@@ -5,7 +5,8 @@ responsibility into classes layered over this state, each in its own module:
 - `ManagerState` (here): what the manager knows of the store and what it owes it;
 - `ReplyInbox` (`inbox`), over the state: the store's replies, recorded, then applied;
 - `EvictionOrder` (`eviction`), over the state: touches in LRU order, unpins of idle pins;
-- `StrataManager` (`manager`), over both: vLLM's calls, the step and its request.
+- `PinsAndSlots` (`pins`), over both: vLLM's per-request calls (lookups, loads, stores);
+- `StrataManager` (`manager`), over that: construction, the step and its request, shutdown.
 Counter and gauge names, and the stats vLLM collects, are in `metrics`, which knows
 nothing of this state.
 
