@@ -1,0 +1,57 @@
+"""What the manager tells the store about eviction: the order of its touches, and which
+pins it no longer needs.
+
+The store evicts its arena in LRU order and never evicts a pinned chunk. This class
+records, per request, the chunks it hit or stored (`_note_used`), touches them tail
+first when the request finishes (`_touch_tail_first`), and at the end of a step unpins
+the chunks no request or load holds (`_release_idle_pins`).
+
+Writes: `_req_used` (entries added), `_to_touch` (appended), `_pinned` (idle pins
+removed), `_out_unpin` (appended). Invariants: rule 1 -- a pin some request still holds,
+or with a load in flight, is never released; a pin of an older store epoch is forgotten,
+never unpinned (its slot means nothing to the new store); only chunks the mirror says
+are resident are touched. Called under the manager's lock, on the scheduler's thread
+only; must not call the store (rule 2: the touches and unpins go out with the step's
+request) nor read the inbox.
+"""
+
+from __future__ import annotations
+
+from kvstrata.connector.compat import ReqContext, key_position
+from kvstrata.connector.manager_state import ManagerState
+from kvstrata.keys import key_group, key_hash
+
+
+class EvictionOrder(ManagerState):
+    def _note_used(self, key: bytes, req_context: ReqContext) -> None:
+        used = self._req_used.setdefault(req_context.req_id, {})
+        if key not in used:
+            used[key] = key_position(req_context, key)
+
+    def _touch_tail_first(self, used: dict[bytes, int | None]) -> None:
+        """Touch a finished request's chunks from its tail to its head, as vLLM's own CPU
+        LRU does: a prefix's later chunks (useless without the earlier ones) leave first.
+        At one position, the anchor (full-attention) chunk is touched last: a window or
+        a state is worth less than the chunk every longer prefix needs.
+
+        Without positions (vLLM < 0.32) a chunk's rank is where its block hash first
+        appeared: vLLM offers a request's chunks group by group, each in prefix order,
+        and every group's chunk at a position shares that position's hash.
+        """
+        first_seen: dict[bytes, int] = {}
+        for key in used:
+            first_seen.setdefault(key_hash(key), len(first_seen))
+
+        def rank(key: bytes) -> tuple[int, bool]:
+            position = used[key]
+            return (-(first_seen[key_hash(key)] if position is None else position), key_group(key) in self._anchor_groups)
+
+        self._to_touch.extend(key for key in sorted(used, key=rank) if key in self._mirror)
+
+    def _release_idle_pins(self) -> None:
+        for key, pin in list(self._pinned.items()):
+            if pin.requests or pin.loads:
+                continue
+            del self._pinned[key]
+            if pin.epoch == self._epoch:
+                self._out_unpin.append(pin.slot)

@@ -1,0 +1,189 @@
+"""The store's replies: recorded on the control thread, applied on the scheduler's.
+
+The control thread calls `_receive_reply` / `_receive_failure` with each answer to a
+step request; they only append to `_inbox` (and, when the store restarted, register
+again first: a blocking call, but on the control thread). `_drain_inbox` applies what
+arrived, at the safe points the manager chooses (the first lookup of a scheduling pass,
+completion callbacks, the end of a step), never between a `lookup` that said HIT and
+the `prepare_load` that follows it in the same scheduling pass.
+
+Applying writes the mirror and its freshness (`_mirror`, `_view_as_of`, `_seq`), what
+the store granted or refused (`_stock`, `_reserve_*`, `_pinned`, `_pin_waiters`,
+`_promoted`, `_to_pin`, `_req_keys`), operations to send again (`_out_*`,
+`_purge_requested`), events, counters, and after a restart the epoch and geometry.
+
+Invariants: a reply to a request of an older epoch changes nothing but counters; a
+store restart drops every pin but those with a load in flight (rule 1) and every slot
+and queued operation of the old epoch; the control thread takes `_lock` only to append
+(rule 2: the scheduler never waits on the store, the control thread never waits long
+for the scheduler). Must not send requests: what the replies ask for goes out with the
+next step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.connector.compat import make_event
+from kvstrata.connector.manager_state import ManagerState, Pin
+from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
+
+logger = logging.getLogger(__name__)
+
+
+class ReplyInbox(ManagerState):
+    def _adopt(self, registration: Registration, as_of: float) -> None:
+        # A view that may lack the bucket's chunks never counts as fresh: lookups RETRY
+        # (at most lookup_wait_seconds) until a reply says the store has listed it.
+        self._view_as_of = as_of if registration.indexed else float("-inf")
+        self._epoch = registration.epoch
+        self._geometry = registration.geometry
+        self._seq = registration.seq
+        self._mirror = {}
+        self._apply_changes(registration.changes, snapshot=True, emit=False)
+
+    # Called on the control thread: only records, never touches manager state.
+    def _receive_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
+        if reply.epoch != self._thread_epoch:
+            sent_at = self._clock()
+            try:
+                registration = self._client.register(
+                    self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe()
+                )
+            except Exception as exc:  # noqa: BLE001
+                self._receive_failure(request, exc, sent_at)
+                return
+            self._thread_epoch = registration.epoch
+            logger.warning(
+                "kvstrata manager %s: node store restarted (epoch %s); dropping old pins and slots",
+                self.holder,
+                registration.epoch,
+            )
+            with self._lock:
+                self._inbox.append(("reset", request, registration, sent_at))
+            return
+        with self._lock:
+            self._inbox.append(("reply", request, reply, sent_at))
+
+    def _receive_failure(self, request: StepRequest, exc: Exception, sent_at: float) -> None:
+        with self._lock:
+            self._inbox.append(("failure", request, exc, sent_at))
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, request, payload, sent_at = self._inbox.popleft()
+            if kind == "reply":
+                self._apply_reply(request, payload, sent_at)
+            elif kind == "failure":
+                self._apply_failure(request, sent_at)
+            else:
+                self._apply_reset(payload, sent_at)
+
+    def _apply_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
+        if request.epoch != self._epoch:
+            return
+        if reply.indexed:
+            self._view_as_of = max(self._view_as_of, sent_at)
+        self._reserve_outstanding -= request.reserve
+        self._stock.extend(reply.reserved)
+        if reply.reserve_cap:
+            self._reserve_target = min(self._reserve_target, reply.reserve_cap)
+            self._reserve_cap = reply.reserve_cap
+        for key, slot in reply.pinned.items():
+            promoted_from = self._promoted.pop(key, CPU)
+            if promoted_from != CPU:
+                self._counters["chunks_promoted"] += 1
+            waiters = self._pin_waiters.pop(key, set())
+            for req_id in waiters:  # so a request that ends before its next lookup lets go
+                self._req_keys.setdefault(req_id, set()).add(key)
+            held = self._pinned.get(key)
+            if held is None:
+                self._pinned[key] = Pin(
+                    slot, self._epoch, requests=set(waiters), promoted_from=promoted_from, promoted_for=frozenset(waiters)
+                )
+            else:
+                held.requests |= waiters
+                if held.slot != slot:
+                    self._out_unpin.append(slot)
+        for key in reply.missing:
+            if key in self._pin_waiters:
+                del self._pin_waiters[key]
+                self._counters["pins_missed"] += 1
+            self._mirror.pop(key, None)
+            self._promoted.pop(key, None)
+        for key in reply.pending:
+            # Being promoted (disk first, else the object store): ask again next step.
+            if key in self._pin_waiters:
+                self._to_pin.append(key)
+                media = self._mirror.get(key, ())
+                self._promoted.setdefault(key, next((m for m in (STORAGE, PEER) if m in media), OBJECT))
+        self._apply_changes(reply.changes, reply.snapshot, emit=True)
+        self._seq = reply.seq
+        if reply.rejected:
+            logger.warning("kvstrata manager %s: store rejected %d operations: %s", self.holder, len(reply.rejected), reply.rejected[0])
+
+    def _apply_changes(self, changes: list[tuple[bytes, str, bool]], snapshot: bool, emit: bool) -> None:
+        """Fold the store's tier membership changes into the mirror; emit them as events."""
+        events: dict[tuple[str, bool], list[bytes]] = {}
+        if snapshot:
+            fresh: dict[bytes, set[str]] = {}
+            for key, medium, present in changes:
+                if present:
+                    fresh.setdefault(key, set()).add(medium)
+            for key, media in self._mirror.items():
+                for medium in media - fresh.get(key, set()):
+                    events.setdefault((medium, True), []).append(key)
+            for key, media in fresh.items():
+                for medium in media - self._mirror.get(key, set()):
+                    events.setdefault((medium, False), []).append(key)
+            self._mirror = fresh
+        else:
+            for key, medium, present in changes:
+                media = self._mirror.get(key)
+                if present and (media is None or medium not in media):
+                    self._mirror.setdefault(key, set()).add(medium)
+                    events.setdefault((medium, False), []).append(key)
+                elif not present and media is not None and medium in media:
+                    media.discard(medium)
+                    if not media:
+                        del self._mirror[key]
+                    events.setdefault((medium, True), []).append(key)
+        if emit and self._events is not None:
+            for (medium, removed), keys in events.items():
+                self._events.append(make_event(keys, removed=removed, medium=medium))
+
+    def _apply_failure(self, request: StepRequest, sent_at: float) -> None:
+        self._counters["control_failures"] += 1
+        if request.epoch != self._epoch:
+            return
+        # The store could not answer: what we know is all there is, so misses are misses.
+        self._view_as_of = max(self._view_as_of, sent_at)
+        self._reserve_outstanding -= request.reserve
+        # Unpins, releases and commits are idempotent on the store: send them again.
+        self._out_unpin.extend(request.unpin)
+        self._out_release.extend(request.release)
+        self._out_commit.extend(request.commit)
+        self._purge_requested |= request.purge
+        # Pins we could not get are misses: the engine recomputes instead of waiting.
+        for key in request.pin:
+            if self._pin_waiters.pop(key, None) is not None:
+                self._mirror.pop(key, None)
+
+    def _apply_reset(self, registration: Registration, as_of: float) -> None:
+        # Slots of the old epoch mean nothing to the new store. Loads already prepared
+        # keep their geometry and finish from the old segments, which the new store
+        # unlinks only after a lease period.
+        self._stock.clear()
+        self._reserve_outstanding = 0
+        self._storing.clear()
+        self._pin_waiters.clear()
+        self._to_pin.clear()
+        self._to_touch.clear()
+        self._out_commit.clear()
+        self._out_unpin.clear()
+        self._out_release.clear()
+        self._reset_pins.clear()
+        for key in [k for k, p in self._pinned.items() if not p.loads]:
+            del self._pinned[key]
+        self._adopt(registration, as_of)

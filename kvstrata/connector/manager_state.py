@@ -1,0 +1,127 @@
+"""The state of a `StrataManager`, declared in one place for the modules that share it.
+
+A manager is one state machine behind one lock. Its behaviour is split by
+responsibility into classes layered over this state, each in its own module:
+- `ManagerState` (here): what the manager knows of the store and what it owes it;
+- `ReplyInbox` (`inbox`), over the state: the store's replies, recorded, then applied;
+- `EvictionOrder` (`eviction`), over the state: touches in LRU order, unpins of idle pins;
+- `PinsAndSlots` (`pins`), over both: vLLM's per-request calls (lookups, loads, stores);
+- `StrataManager` (`manager`), over that: construction, the step and its request, shutdown.
+Counter and gauge names, and the stats vLLM collects, are in `metrics`, which knows
+nothing of this state.
+
+Why one state rather than objects owning parts of it: a reply changes the mirror, the
+pins, the stock and the outgoing queues together, a reset clears all of them, and a
+lookup reads all of them. Split, one transaction would span several objects and their
+consistency would rest on call order. Here every field is declared below, and each
+module's docstring says which fields it writes.
+
+Invariants every writer keeps:
+- rule 1: a HIT's bytes stay put until its load completes. HIT means "resident and
+  pinned for this engine"; a pin with a load in flight (`Pin.loads` > 0) is never
+  unpinned: idle-pin release and a store restart keep it, and a reset, which forgets
+  every pin, unpins its slot only once vLLM flushed the loads that may read it. Pins of
+  an old store epoch are forgotten, never unpinned (the restarted store unlinks the old
+  segments only after a lease period);
+- rule 2: no blocking call on the scheduling path. Nothing done under `_lock` waits for
+  the store: requests go out through the control thread, replies come back into
+  `_inbox` and are applied only at safe points (`_drain_inbox`);
+- every field is read and written under `_lock`, but for `_thread_epoch` (the control
+  thread's alone), the thread-safe `_client` and `_channel`, and what is fixed at
+  construction (`holder`, `layout`, `namespace`, `_clock`, the config values).
+
+This module holds data only: it must not call the store, vLLM or another module's code.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.actors.protocol import StepRequest
+from kvstrata.config import KvstrataConfig
+from kvstrata.connector.compat import OffloadingEvent
+from kvstrata.connector.metrics import COUNTER_NAMES
+from kvstrata.keys import Layout
+from kvstrata.tiers.arena import PoolGeometry
+from kvstrata.tiers.changelog import CPU
+
+# A stock larger than this is hoarding slots other engines on the node could use.
+MAX_RESERVE_TARGET = 4096
+
+
+@dataclass
+class Pin:
+    slot: int
+    epoch: str
+    requests: set[str] = field(default_factory=set)
+    loads: int = 0
+    # Where the chunk came from for the requests that waited on its promotion (all
+    # other requests find it in the arena): `STORAGE` (disk) or `OBJECT`.
+    promoted_from: str = CPU
+    promoted_for: frozenset[str] = frozenset()
+
+
+class ManagerState:
+    # Set from the store's registration (`ReplyInbox._adopt`), again after a restart.
+    _view_as_of: float  # the mirror is no older than this (-inf: the store is still listing)
+    _epoch: str  # the store's epoch the state below belongs to
+    _geometry: PoolGeometry
+    _seq: int  # the store's change log position the mirror is at
+    _thread_epoch: str  # the epoch the control thread registered for (control thread only)
+
+    def __init__(
+        self,
+        client: Any,
+        layout: Layout,
+        config: KvstrataConfig,
+        holder: str,
+        enable_events: bool,
+        clock: Callable[[], float],
+    ):
+        self._client = client
+        self.layout = layout
+        self.namespace = layout.namespace
+        self.holder = holder
+        self._lock = threading.RLock()
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self._reported = dict.fromkeys(COUNTER_NAMES, 0)
+
+        # key -> tiers ("CPU", "STORAGE") of the node store that hold it
+        self._mirror: dict[bytes, set[str]] = {}
+        self._promoted: dict[bytes, str] = {}  # pins that wait on a promotion -> the tier it reads
+        self._pinned: dict[bytes, Pin] = {}
+        self._pin_waiters: dict[bytes, set[str]] = {}  # asked for, not yet answered
+        self._to_pin: list[bytes] = []  # asked for, not yet sent
+        self._to_touch: list[bytes] = []
+        self._storing: dict[bytes, int] = {}  # prepare_store .. complete_store
+        self._stock: deque[int] = deque()
+        self._reserve_target = config.engine.reserve_slots
+        self._reserve_outstanding = 0
+        self._reserve_cap = MAX_RESERVE_TARGET  # lowered by the store's answer
+        self._req_keys: dict[str, set[bytes]] = {}
+        # request -> the chunks it hit or stored, with their token position: touched
+        # tail first when it finishes, so the LRU order keeps each prefix's head longest.
+        self._req_used: dict[str, dict[bytes, int | None]] = {}
+        self._anchor_groups = frozenset(layout.anchor_groups or ())
+        self._out_commit: list[tuple[int, bytes]] = []
+        self._out_unpin: list[int] = []
+        self._out_release: list[int] = []
+        self._reset_pins: list[int] = []  # released once vLLM flushed pre-reset loads
+        self._purge_requested = False
+        self._store_demand = 0
+        self._store_dropped = 0
+        # (kind, request, reply | failure | registration, sent_at), appended by the control thread
+        self._inbox: deque[tuple[str, StepRequest, Any, float]] = deque()
+        self._pass_open = False
+        self._refresh_s = config.engine.refresh_seconds
+        self._last_submit = 0.0
+        self._clock = clock
+        self._max_view_age = config.engine.max_view_age_seconds
+        self._lookup_wait = config.engine.lookup_wait_seconds
+        self._arrived: dict[str, float] = {}  # request -> its first lookup since its last load
+        self._view_wanted = False  # a lookup waits for a view newer than the mirror

@@ -1,0 +1,50 @@
+"""The manager's metrics: their names and documentation, and the stats vLLM collects.
+
+`StrataSpec.build_metric_definitions` declares every name here to vLLM (in the API
+server, where no manager exists); the manager counts into a dict keyed by
+`COUNTER_NAMES` and hands vLLM each counter's growth since it last asked.
+
+Invariants: a counter only grows, and each unit of growth is reported exactly once;
+a name reaches vLLM only through `metric_name`, so declared and reported names agree.
+
+This module knows nothing of the manager's state: it must not import it, nor call the
+store.
+"""
+
+from __future__ import annotations
+
+from kvstrata.connector.compat import OffloadingConnectorStats
+
+COUNTER_NAMES = {
+    "chunks_loaded": "Chunks loaded from the kvstrata node arena into the KV cache.",
+    "chunks_stored": "Chunks written into the kvstrata node arena and committed.",
+    "stores_dropped_no_slot": "Chunks not stored because no reserved arena slot was free.",
+    "stores_failed": "Chunk stores the engine reported as failed.",
+    "pins_missed": "Chunks believed resident that were gone when the pin arrived (misses).",
+    "chunks_promoted": "Hits that waited for the node store to bring the chunk from disk into the arena.",
+    "control_failures": "Control calls to the node store that failed or timed out.",
+    "lookups_timed_out": "Lookups answered MISS because the chunk was not pinned within lookup_wait_seconds.",
+}
+GAUGE_NAMES = {
+    "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",
+    "pinned_chunks": "Arena chunks pinned by this engine.",
+}
+
+
+def metric_name(name: str) -> str:
+    return f"kvstrata:{name}"
+
+
+def take_stats(counters: dict[str, int], reported: dict[str, int], gauges: dict[str, int]) -> OffloadingConnectorStats:
+    """vLLM's stats since the last call: each counter's growth since `reported` (which
+    is brought up to date), and the gauges (`GAUGE_NAMES`) as they are now.
+    """
+    stats = OffloadingConnectorStats()
+    for name, value in counters.items():
+        delta = value - reported[name]
+        if delta:
+            stats.increase_counter(metric_name(name), delta)
+            reported[name] = value
+    for name, value in gauges.items():
+        stats.set_gauge(metric_name(name), value)
+    return stats

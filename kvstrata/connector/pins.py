@@ -1,0 +1,235 @@
+"""vLLM's per-request calls: lookups and loads against pins, stores against the stock.
+
+- A `lookup` answers from local state only: HIT for a chunk pinned for this engine in
+  the current store epoch, HIT_PENDING for one this engine is storing, RETRY while a
+  pin (or a fresher view of the store) is on its way, MISS otherwise -- and MISS, to
+  recompute, once a request has waited `lookup_wait_seconds`.
+- `prepare_load` hands out the slots of pinned chunks; `complete_load` lets them go.
+- `prepare_store` takes slots from the stock reserved in advance (head of the prefix
+  first); `complete_store` commits or releases them.
+- `on_request_finished` drops a request's claims; `reset_cache` forgets everything of
+  the namespace and asks the store to purge it.
+
+Writes: `_pinned` (loads, requests, pins of stored chunks), `_pin_waiters`, `_to_pin`,
+`_storing`, `_stock` (taken), `_store_demand` / `_store_dropped`, `_arrived`,
+`_req_keys`, `_out_commit` / `_out_release`, `_reset_pins`, and the mirror for chunks
+this engine stored or a reset cleared.
+
+Invariants: rule 1 -- a HIT means "resident and pinned for this engine", so its
+`prepare_load` cannot fail, and a pinned slot stays pinned while a load may read it
+(`loads`, and `_reset_pins` across a reset); rule 2 -- no call here blocks: what a
+lookup needs from the store goes out with the step's request, and `prepare_store`
+never waits for a slot (no slot in stock: the chunk is not stored). Every call holds
+`_lock`. Must not call the store or the control channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from kvstrata.connector.compat import (
+    BlockIDsLoadStoreSpec,
+    LookupResult,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    load_source,
+    make_event,
+    override,
+)
+from kvstrata.connector.eviction import EvictionOrder
+from kvstrata.connector.inbox import ReplyInbox
+from kvstrata.connector.manager_state import Pin
+from kvstrata.keys import key_name
+from kvstrata.tiers.arena import PoolGeometry
+from kvstrata.tiers.changelog import CPU
+
+
+class ArenaSlotsSpec(BlockIDsLoadStoreSpec):
+    """Arena slot numbers of a transfer, with the geometry that locates them.
+
+    Carrying the geometry (a few strings and ints) lets a worker map segments lazily
+    without talking to the store, and keeps a transfer valid even if the store restarts.
+    """
+
+    def __init__(self, slots: list[int], geometry: PoolGeometry):
+        super().__init__(slots)
+        self.geometry = geometry
+
+
+class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
+    # --- lookups and loads --------------------------------------------------------
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        with self._lock:
+            if not self._pass_open:
+                # First lookup of a scheduling pass: replies that arrived during the
+                # forward pass turn this pass's RETRYs into HITs.
+                self._pass_open = True
+                self._drain_inbox()
+            req_id = req_context.req_id
+            now = self._clock()
+            arrived = self._arrived.setdefault(req_id, now)
+            pin = self._pinned.get(key)
+            if pin is not None and pin.epoch == self._epoch:
+                pin.requests.add(req_id)
+                self._req_keys.setdefault(req_id, set()).add(key)
+                self._note_used(key, req_context)
+                return LookupResult.HIT
+            if key in self._storing:
+                return LookupResult.HIT_PENDING
+            if now - arrived > self._lookup_wait:
+                # A slow promotion or a silent store must not hold the request: recompute.
+                if key in self._pin_waiters or key in self._mirror:
+                    self._counters["lookups_timed_out"] += 1
+                return LookupResult.MISS
+            waiters = self._pin_waiters.get(key)
+            if waiters is not None:
+                waiters.add(req_id)
+                return LookupResult.RETRY
+            if key in self._mirror:
+                self._pin_waiters[key] = {req_id}
+                self._to_pin.append(key)
+                return LookupResult.RETRY
+            if self._view_as_of < arrived - self._max_view_age:
+                self._view_wanted = True
+                return LookupResult.RETRY
+            return LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        """The tier a HIT was loaded from (vLLM 0.32+ reports it per request)."""
+        with self._lock:
+            pin = self._pinned.get(key)
+            promoted = pin is not None and req_context.req_id in pin.promoted_for
+            return load_source(pin.promoted_from if promoted else CPU)
+
+    @override
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ArenaSlotsSpec:
+        with self._lock:
+            self._arrived.pop(req_context.req_id, None)  # its wait is over
+            slots: list[int] = []
+            for key in keys:
+                pin = self._pinned.get(key)
+                if pin is None:
+                    raise AssertionError(f"kvstrata: prepare_load of chunk {key_name(key)} that was not a HIT")
+                pin.loads += 1
+                slots.append(pin.slot)
+            self._counters["chunks_loaded"] += len(slots)
+            return ArenaSlotsSpec(slots, self._geometry)
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        with self._lock:
+            self._to_touch.extend(key for key in keys if key in self._mirror)
+
+    @override
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        with self._lock:
+            for key in keys:
+                pin = self._pinned.get(key)
+                if pin is not None and pin.loads > 0:
+                    pin.loads -= 1
+                    pin.requests.discard(req_context.req_id)
+            self._drain_inbox()
+
+    # --- stores ---------------------------------------------------------------------
+
+    @override
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        with self._lock:
+            wanted = []
+            for key in dict.fromkeys(keys):
+                self._note_used(key, req_context)
+                if key in self._mirror:
+                    self._to_touch.append(key)  # reused: keep it young in the LRU
+                elif key not in self._storing and key not in self._pinned:
+                    wanted.append(key)
+            if not wanted:
+                return PrepareStoreOutput(keys_to_store=[], store_spec=ArenaSlotsSpec([], self._geometry), evicted_keys=[])
+            self._store_demand += len(wanted)
+            # Earlier chunks of a prefix are worth more than later ones: keep the head.
+            accepted = wanted[: len(self._stock)]
+            self._store_dropped += len(wanted) - len(accepted)
+            self._counters["stores_dropped_no_slot"] += len(wanted) - len(accepted)
+            if not accepted:
+                return None
+            slots = [self._stock.popleft() for _ in accepted]
+            for key, slot in zip(accepted, slots):
+                self._storing[key] = slot
+            return PrepareStoreOutput(
+                keys_to_store=list(accepted),
+                store_spec=ArenaSlotsSpec(slots, self._geometry),
+                evicted_keys=[],
+            )
+
+    @override
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        with self._lock:
+            stored: list[bytes] = []
+            for key in keys:
+                slot = self._storing.pop(key, None)
+                if slot is None:
+                    continue  # prepared before a store restart or a reset: nothing to publish
+                if success:
+                    self._out_commit.append((slot, key))
+                    # The store keeps the writer's pin at commit; we hold it until idle.
+                    self._pinned[key] = Pin(slot, self._epoch)
+                    media = self._mirror.setdefault(key, set())
+                    if CPU not in media:
+                        media.add(CPU)
+                        stored.append(key)
+                else:
+                    self._out_release.append(slot)
+                    self._counters["stores_failed"] += 1
+            self._counters["chunks_stored"] += len(stored)
+            if stored and self._events is not None:
+                self._events.append(make_event(stored, removed=False))
+            self._drain_inbox()
+
+    # --- request boundaries and resets --------------------------------------------------
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        with self._lock:
+            req_id = req_context.req_id
+            self._arrived.pop(req_id, None)
+            self._touch_tail_first(self._req_used.pop(req_id, {}))
+            for key in self._req_keys.pop(req_id, ()):
+                pin = self._pinned.get(key)
+                if pin is not None:
+                    pin.requests.discard(req_id)
+            for waiters in self._pin_waiters.values():
+                waiters.discard(req_id)
+
+    @override
+    def reset_cache(self) -> None:
+        """vLLM's reset_prefix_cache(reset_connector=True): purge this namespace on the node.
+
+        A slot must not be reused while a load from before the reset may still read it:
+        on vLLM 0.33 pins are released when vLLM reports the flush (`on_reset_flushed`);
+        before 0.33, one step late (vLLM flushes in-flight jobs in the next step).
+        """
+        with self._lock:
+            self._reset_pins.extend(p.slot for p in self._pinned.values() if p.epoch == self._epoch)
+            self._pinned.clear()
+            self._pin_waiters.clear()
+            self._to_pin.clear()
+            self._out_release.extend(self._storing.values())
+            self._storing.clear()
+            self._mirror.clear()
+            self._req_keys.clear()
+            self._req_used.clear()
+            self._purge_requested = True
+
+    def on_reset_flushed(self) -> None:
+        with self._lock:
+            self._out_unpin.extend(self._reset_pins)
+            self._reset_pins = []
