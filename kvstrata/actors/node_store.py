@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.actors.directory import directory_shard
 from kvstrata.actors.options import node_tag
 from kvstrata.actors.peers import PeerSync
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
@@ -125,8 +126,6 @@ class NodeStore:
         self.peers: PeerSync | None = None
         self._peer_io: ThreadPoolExecutor | None = None
         if self.config.cluster is not None and _in_ray():
-            from kvstrata.actors.cluster import directory_shard
-
             self.peers = PeerSync(node_id, self.config.cluster, lambda: dict(self._logs), directory_shard).start()
             self._peer_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peer-fetch")
         if _in_ray_actor():
