@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.actors.directory import directory_shard
+from kvstrata.actors.disk_jobs import submit_disk_jobs
 from kvstrata.actors.options import node_tag
 from kvstrata.actors.peers import PeerSync
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
@@ -52,14 +53,6 @@ logger = logging.getLogger(__name__)
 # An engine's stock of free reserved slots is capped at this share of a pool: a larger
 # stock evicts chunks only to keep slots empty.
 MAX_RESERVED_SHARE = 4
-
-# Bytes one disk job (a batch of writes or promotions on one I/O thread) moves at most,
-# unless one chunk is larger. Measured (benchmarks/tier_throughput.py, 1-8 MiB chunks,
-# rotated rounds): 64 MiB jobs reached raw O_DIRECT speed; one-chunk jobs and 16 MiB jobs
-# were 10-25% slower (too little in flight per thread).
-DISK_JOB_BYTES = 64 << 20
-# Bytes of a request's first and last jobs on each I/O thread (see `disk_job_sizes`).
-EDGE_JOB_BYTES = 8 << 20
 
 # Internal pin holders: they hold no lease and never expire.
 CASCADE = "kvstrata:cascade"
@@ -447,7 +440,7 @@ class NodeStore:
         self._writes_pending += len(accepted)
         self.counters["disk_writes_queued"] += len(accepted)
         # Consecutive commits tend to get neighbouring disk records: one pwritev per run.
-        self._submit_batches(self._write_job, namespace, pool, accepted)
+        submit_disk_jobs(self._io, disk_config.io_threads, self._write_job, namespace, pool, accepted)
         return len(accepted)
 
     def _write_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
@@ -587,26 +580,13 @@ class NodeStore:
             # Slots held by write-backs free up in a moment: the engine asks again (its
             # wait is bounded). Every slot pinned otherwise: a miss now beats waiting on us.
             outcome[key] = pool.orphans > 0
-        self._submit_batches(self._promote_job, namespace, pool, from_disk)
+        if from_disk:
+            submit_disk_jobs(self._io, self.config.tiers.disk.io_threads, self._promote_job, namespace, pool, from_disk)
         if from_peer:
             self._peer_io.submit(self._peer_promote_job, namespace, pool, from_peer)
         if from_object:
             self._object_io.submit(self._object_promote_job, namespace, pool, from_object)
         return outcome
-
-    def _submit_batches(self, job: Callable, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
-        """Split I/O into contiguous batches (neighbouring records share a call) over `io_threads`.
-
-        A batch moves at most `DISK_JOB_BYTES`, so the first promoted chunks are ready
-        before a request's last ones are read. (Checksums are the disk tier's digest
-        threads' work, one run at a time, while the I/O thread moves the next run.)
-        """
-        if not items:
-            return
-        start = 0
-        for size in disk_job_sizes(len(items), pool.geometry.slot_bytes, self.config.tiers.disk.io_threads):
-            self._io.submit(job, namespace, pool, items[start : start + size])
-            start += size
 
     def _promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         """Read a batch; it is committed when its last piece is verified, on a digest thread,
@@ -666,34 +646,6 @@ class NodeStore:
             self.counters["promotions"] += len(promoted)
             self.counters["promotion_failures"] += len(items) - len(promoted)
             self._io_done.notify_all()
-
-
-def disk_job_sizes(count: int, item_bytes: int, threads: int) -> list[int]:
-    """Chunks per disk job, in the order the jobs are queued, for `count` chunks over `threads`.
-
-    The first and the last `threads` jobs move about `EDGE_JOB_BYTES`, the ones between up
-    to `DISK_JOB_BYTES`. Why: a job's set-up holds the GIL in proportion to its chunks, so
-    with equal 64 MiB jobs the fourth thread's first read started 16 ms after the request
-    (256 KiB chunks, 512 MiB; now 5-6 ms); and a thread that finishes its share early
-    takes the small jobs at the end instead of idling while the others finish (threads
-    ended up to 20 ms apart at 8 MiB chunks; now within 4 ms).
-    """
-    big = max(1, min(-(-count // threads), DISK_JOB_BYTES // item_bytes))
-    edge = max(1, min(big, EDGE_JOB_BYTES // item_bytes))
-    middle = count - 2 * threads * edge
-    if middle <= 0:
-        return _even_split(count, -(-count // edge))
-    # Whole rounds of middle jobs, one per thread each: with 7 jobs of 64 MiB over 4
-    # threads, one thread read 104 chunks of a 512 MiB request and the others 136, and sat
-    # idle for the last 15% of it (1 MiB chunks; the last `threads` small jobs cannot even
-    # out a whole job).
-    rounds = -(-middle // (big * threads))
-    between = [size for size in _even_split(middle, rounds * threads) if size]
-    return [edge] * threads + between + [edge] * threads
-
-
-def _even_split(count: int, parts: int) -> list[int]:
-    return [count // parts + (i < count % parts) for i in range(parts)]
 
 
 def freeze_startup_heap() -> None:
