@@ -29,10 +29,11 @@ The store is assembled from parts, one module each, mixins over the state they s
 - cascade.py: copies to disk and the object store; disk_jobs.py: how disk I/O is cut
   into jobs;
 - promotion.py: reads from disk, peers and the object store into the arena;
-- object_index.py: the sweep of the object store.
+- object_index.py: the sweep of the object store;
+- local_client.py: `LocalStoreClient`, the in-process client (re-exported here).
 This module owns the assembly: building the state and the tiers, the start-up of an
 actor's process, and the calls for tools and tests (read, locate, keys, purge, stats,
-wait_io, close) and `LocalStoreClient`. It must not grow the parts' logic back.
+wait_io, close). It must not grow the parts' logic back.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstrata.actors.directory import directory_shard
+from kvstrata.actors.local_client import LocalStoreClient
 from kvstrata.actors.options import node_tag
 from kvstrata.actors.peers import PeerSync
-from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.actors.store_control import StoreControl
 from kvstrata.actors.store_state import logger
 from kvstrata.config import KvstrataConfig, load_config
@@ -57,7 +58,7 @@ from kvstrata.tiers.changelog import CPU, STORAGE
 from kvstrata.tiers.disk import DiskTier, DiskTierError
 from kvstrata.tiers.object_store import ObjectTier
 
-# What tests, examples, benchmarks and `client` import from here.
+# What tests, benchmarks and `client` import from here.
 __all__ = ["LocalStoreClient", "NodeStore", "freeze_startup_heap"]
 
 
@@ -254,25 +255,3 @@ def _in_ray() -> bool:
     import ray
 
     return ray.is_initialized()
-
-
-class LocalStoreClient:
-    """A store client that calls a NodeStore in this process (tests, benchmarks).
-
-    It has the same surface as `client.RayStoreClient`, so the manager and worker never
-    know which one they hold.
-    """
-
-    def __init__(self, store: NodeStore):
-        self.store = store
-
-    def register(
-        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None
-    ) -> Registration:
-        return self.store.register(holder, namespace, slot_bytes, layout)
-
-    def step(self, request: StepRequest) -> StepReply:
-        return self.store.step(request)
-
-    def release_holder(self, holder: str) -> None:
-        self.store.release_holder(holder)
