@@ -17,19 +17,12 @@ import threading
 from typing import Any
 
 from kvstrata.actors.client import StoreUnavailable, ensure_node_store, get_node_store, shutdown_node_store
-from kvstrata.actors.directory import DirectoryShard, directory_actor_name
+from kvstrata.actors.directory import directory_actor_name, directory_shard
 from kvstrata.actors.options import STORE_NAMESPACE, service_actor_options
 from kvstrata.config import ClusterConfig, KvstrataConfig, load_config
 
 logger = logging.getLogger(__name__)
 RECONCILER_NAME = "kvstrata-reconciler"
-
-
-def directory_shard(shard: int) -> Any:
-    """The actor of one directory shard, created if it does not exist (restarted by Ray if it dies)."""
-    import ray
-
-    return ray.remote(DirectoryShard).options(**service_actor_options(directory_actor_name(shard))).remote(shard)
 
 
 def store_nodes(config: ClusterConfig) -> list[str]:

@@ -13,7 +13,10 @@ evicted the chunk or died, and a peer fetch from it is then a miss. A shard that
 restarts comes back empty with a new epoch; stores notice the epoch and send it their
 whole holdings again, so nothing is lost for longer than one sync period.
 
-No Ray in here: the actor is this class under `ray.remote` (see cluster.py).
+The actor is `DirectoryShard` under `ray.remote`, created (or found) by `directory_shard`,
+the one function here that imports Ray. Both the node store (its peer sync) and the
+cluster placement (cluster.py) reach the shards through it, so this module imports
+neither of them.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
+from kvstrata.actors.options import service_actor_options
 from kvstrata.tiers.changelog import CPU, STORAGE, ChangeLog
 
 # (key, tier, present) as a store sends it; (key, "<node id>/<tier>", present) as it comes back.
@@ -107,3 +112,10 @@ class DirectoryShard:
                 "epoch": self.epoch,
                 "namespaces": {ns: len(log.snapshot()[1]) for ns, log in self._logs.items()},
             }
+
+
+def directory_shard(shard: int) -> Any:
+    """The actor of one directory shard, created if it does not exist (restarted by Ray if it dies)."""
+    import ray
+
+    return ray.remote(DirectoryShard).options(**service_actor_options(directory_actor_name(shard))).remote(shard)

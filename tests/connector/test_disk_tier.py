@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstrata.actors import node_store as node_store_module
+from kvstrata.actors import disk_jobs
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import load_config
@@ -193,10 +193,10 @@ def test_a_full_write_queue_drops_disk_writes_without_blocking(env):
 def test_a_request_is_split_into_small_first_and_last_jobs_and_even_rounds_of_bounded_ones_between(chunk_kib, total_mib, threads):
     chunk = chunk_kib << 10
     count = max(1, (total_mib << 20) // chunk)
-    sizes = node_store_module.disk_job_sizes(count, chunk, threads)
+    sizes = disk_jobs.disk_job_sizes(count, chunk, threads)
     assert sum(sizes) == count and min(sizes) >= 1
-    largest = max(1, node_store_module.DISK_JOB_BYTES // chunk)
-    edge = max(1, node_store_module.EDGE_JOB_BYTES // chunk)
+    largest = max(1, disk_jobs.DISK_JOB_BYTES // chunk)
+    edge = max(1, disk_jobs.EDGE_JOB_BYTES // chunk)
     assert max(sizes) <= largest
     if count >= 2 * threads * edge + 1:  # enough for small jobs at both ends and some between
         assert sizes[:threads] == sizes[-threads:] == [edge] * threads
@@ -216,8 +216,8 @@ def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monke
     """Each disk job moves at most DISK_JOB_BYTES, so I/O threads checksum a little and go
     back to the disk, and the first promoted chunks are ready before the last are read.
     Each thread's first and last jobs are one chunk (EDGE_JOB_BYTES)."""
-    monkeypatch.setattr(node_store_module, "DISK_JOB_BYTES", 3 * SLOT)
-    monkeypatch.setattr(node_store_module, "EDGE_JOB_BYTES", SLOT)
+    monkeypatch.setattr(disk_jobs, "DISK_JOB_BYTES", 3 * SLOT)
+    monkeypatch.setattr(disk_jobs, "EDGE_JOB_BYTES", SLOT)
     make_store, _ = env
     store, _ = make_store(slots=24, io_threads=2)
     calls = []

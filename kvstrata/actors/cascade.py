@@ -1,0 +1,150 @@
+"""The node store's cascade: copies of arena chunks to the disk and to the object store.
+
+A committed chunk is written to disk and uploaded in the background when the tier's
+policy is `write_through`, or when the arena evicts it under `write_back`. The slot stays
+pinned by the copy (holder `CASCADE` for disk, `UPLOAD` for the object store) until the
+copy is done. A full queue drops the copy (counted), never blocks.
+
+Owns: the holders `CASCADE` and `UPLOAD`, the counts of copies in flight
+(`_writes_pending`, `_uploads_pending`), the tiers' write policies, and the arena's
+eviction hook (`_attach_write_back`).
+Invariants: every slot a copy pins is unpinned exactly once, by its job or at once when
+the copy is dropped; a job's unpin takes the store lock, so it comes after the pin taken
+when the eviction hook returns. Records OBJECT presence only for uploads that landed.
+Must not: read from the tiers into the arena (promotion.py) or decide what the object
+store holds beyond its own uploads (object_index.py).
+"""
+
+from __future__ import annotations
+
+from kvstrata.actors.disk_jobs import submit_disk_jobs
+from kvstrata.actors.store_state import StoreState, logger
+from kvstrata.tiers.arena import SlotPool
+from kvstrata.tiers.changelog import OBJECT
+
+# Internal pin holders: they hold no lease and never expire.
+CASCADE = "kvstrata:cascade"
+UPLOAD = "kvstrata:upload"
+
+
+class Cascade(StoreState):
+    """Mixin of `NodeStore`: disk writes and object uploads of arena chunks."""
+
+    def _init_cascade(self) -> None:
+        self._uploads_pending = 0
+        self._writes_pending = 0
+
+    @property
+    def _write_through(self) -> bool:
+        return self.disk is not None and self.config.tiers.disk.write_policy == "write_through"
+
+    @property
+    def _upload_through(self) -> bool:
+        return self.object is not None and self.config.tiers.object.write_policy == "write_through"
+
+    def _attach_write_back(self, namespace: str, pool: SlotPool) -> None:
+        """Copy a new pool's evicted chunks to the tiers whose policy is `write_back`."""
+        disk_back = self.disk is not None and self.config.tiers.disk.write_policy == "write_back"
+        object_back = self.object is not None and self.config.tiers.object.write_policy == "write_back"
+        if disk_back or object_back:
+            pool.on_evict = lambda key, slot: self._write_back(namespace, pool, key, slot, disk_back, object_back)
+
+    def _copy_commits(self, namespace: str, pool: SlotPool, committed: list[tuple[bytes, int]]) -> None:
+        """Commit hook (under the lock): queue the `write_through` copies of committed chunks."""
+        if self._write_through:
+            pool.pin_slots(CASCADE, [slot for _, slot in committed])
+            self._queue_writes(namespace, pool, committed)
+        if self._upload_through:
+            pool.pin_slots(UPLOAD, [slot for _, slot in committed])
+            self._queue_uploads(namespace, pool, committed)
+
+    def _write_back(
+        self, namespace: str, pool: SlotPool, key: bytes, slot: int, to_disk: bool, to_object: bool
+    ) -> list[str]:
+        """Eviction hook: keep the evicted bytes pinned until they are on disk and uploaded."""
+        # Each accepted copy pins the slot as soon as we return; the jobs' unpins wait for
+        # the store lock this call runs under, so they come after.
+        keepers = []
+        if to_disk and self._queue_writes(namespace, pool, [(key, slot)], pinned=False):
+            keepers.append(CASCADE)
+        if to_object and self._queue_uploads(namespace, pool, [(key, slot)], pinned=False):
+            keepers.append(UPLOAD)
+        return keepers
+
+    def _queue_writes(
+        self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], pinned: bool = True
+    ) -> int:
+        """Queue disk writes of slots the cascade pins, in up to `io_threads` batches.
+
+        Items beyond the queue depth (or already on disk) are dropped and unpinned; the
+        rest are written by batch jobs that unpin them when done. Returns how many were queued.
+        """
+        disk_config = self.config.tiers.disk
+        accepted: list[tuple[bytes, int]] = []
+        on_disk = self.disk.present(namespace, [key for key, _ in items])
+        for key, slot in items:
+            if key in on_disk:
+                pass
+            elif self._writes_pending + len(accepted) >= disk_config.queue_depth:
+                self.counters["disk_writes_dropped"] += 1
+            else:
+                accepted.append((key, slot))
+                continue
+            if pinned:
+                pool.unpin(CASCADE, [slot])
+        self._writes_pending += len(accepted)
+        self.counters["disk_writes_queued"] += len(accepted)
+        # Consecutive commits tend to get neighbouring disk records: one pwritev per run.
+        submit_disk_jobs(self._io, disk_config.io_threads, self._write_job, namespace, pool, accepted)
+        return len(accepted)
+
+    def _write_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        try:
+            # The slots are pinned by the cascade: their bytes are stable while we write.
+            self.disk.write_many(namespace, [(key, pool.view(slot)) for key, slot in items])
+        except Exception:  # noqa: BLE001 - a failed cascade is a lost copy, never a dead store
+            logger.exception("kvstrata node store: disk write of %d chunks failed", len(items))
+        finally:
+            with self._lock:
+                self._writes_pending -= len(items)
+                pool.unpin(CASCADE, [slot for _, slot in items])
+                self._io_done.notify_all()
+
+    def _queue_uploads(
+        self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], pinned: bool = True
+    ) -> int:
+        """Queue uploads of slots pinned for UPLOAD; the same drop-never-block rule as disk writes."""
+        log = self._log(namespace)
+        accepted: list[tuple[bytes, int]] = []
+        for key, slot in items:
+            if log.has(key, OBJECT):
+                pass  # another node (or an earlier life of this chunk) put it there
+            elif not self.object.available() or (
+                self._uploads_pending + len(accepted) >= self.config.tiers.object.queue_depth
+            ):
+                self.counters["object_uploads_dropped"] += 1
+            else:
+                accepted.append((key, slot))
+                continue
+            if pinned:
+                pool.unpin(UPLOAD, [slot])
+        if accepted:
+            self._uploads_pending += len(accepted)
+            self.counters["object_uploads_queued"] += len(accepted)
+            self._object_io.submit(self._upload_job, namespace, pool, accepted)
+        return len(accepted)
+
+    def _upload_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        try:
+            ok = self.object.put_many(namespace, [(key, pool.view(slot)) for key, slot in items])
+        except Exception:  # noqa: BLE001 - a failed upload is a lost copy, never a dead store
+            logger.exception("kvstrata node store: upload of %d chunks failed", len(items))
+            ok = [False] * len(items)
+        log = self._log(namespace)
+        for (key, _), uploaded in zip(items, ok):
+            if uploaded:
+                log.record(key, OBJECT, True)
+        with self._lock:
+            self._uploads_pending -= len(items)
+            pool.unpin(UPLOAD, [slot for _, slot in items])
+            self._io_done.notify_all()

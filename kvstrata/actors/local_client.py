@@ -1,0 +1,37 @@
+"""The in-process store client: a NodeStore called directly, without Ray (tests, benchmarks).
+
+Owns: `LocalStoreClient`, the twin of `client.RayStoreClient`.
+Invariants: it mirrors `RayStoreClient` call for call (register, step, release_holder)
+and adds nothing: no timeout, no retry, no state.
+Must not: import Ray or node_store.py (node_store.py re-exports this class); it knows the
+store only by its control surface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.actors.store_control import StoreControl
+
+
+class LocalStoreClient:
+    """A store client that calls a NodeStore in this process (tests, benchmarks).
+
+    It has the same surface as `client.RayStoreClient`, so the manager and worker never
+    know which one they hold.
+    """
+
+    def __init__(self, store: StoreControl):
+        self.store = store
+
+    def register(
+        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None
+    ) -> Registration:
+        return self.store.register(holder, namespace, slot_bytes, layout)
+
+    def step(self, request: StepRequest) -> StepReply:
+        return self.store.step(request)
+
+    def release_holder(self, holder: str) -> None:
+        self.store.release_holder(holder)

@@ -1,0 +1,139 @@
+"""The node store's promotion: bringing chunks an engine asked for into the arena.
+
+A pin asked for a chunk that is not in the arena reserves a slot (holder `PROMOTE`) and
+fills it from this node's disk, else another node's arena or disk, else the object
+store, on a background thread; meanwhile the engine is told `pending` (it answers
+RETRY), and its next pin request finds the chunk in the arena. A failed or corrupt read
+leaves the chunk nowhere, so the next request is a MISS.
+
+Owns: the holder `PROMOTE` and the promotions in flight (`_promoting`).
+Invariants: a (namespace, key) is promoted once at a time; every slot reserved for a
+promotion is committed and unpinned, or released, exactly once, by
+`_finish_promotions` under the store lock. Records OBJECT absence only when the object
+store answered (absent or corrupt, not unreachable).
+Must not: copy arena chunks out to the tiers (cascade.py) or sweep the object store
+(object_index.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from kvstrata.actors.disk_jobs import submit_disk_jobs
+from kvstrata.actors.store_state import StoreState, logger
+from kvstrata.tiers.arena import SlotPool
+from kvstrata.tiers.changelog import OBJECT, PEER
+
+# Internal pin holder: it holds no lease and never expires.
+PROMOTE = "kvstrata:promote"
+
+
+class Promotion(StoreState):
+    """Mixin of `NodeStore`: disk, peer and object reads into reserved arena slots."""
+
+    def _init_promotion(self) -> None:
+        self._promoting: set[tuple[str, bytes]] = set()
+
+    def _promote(self, namespace: str, pool: SlotPool, keys: list[bytes]) -> dict[bytes, bool]:
+        """Start (or join) bringing chunks into the arena: from this node's disk, else
+        another node's arena or disk, else the object store.
+
+        Per key, whether it is on its way (False: it cannot be had, the engine answers
+        MISS). One lookup of the disk index and one reservation for the whole request:
+        per key they cost a large request milliseconds before its first read.
+        """
+        on_disk = self.disk.present(namespace, keys) if self.disk is not None and keys else set()
+        log = self._log(namespace)
+        outcome: dict[bytes, bool] = {}
+        wanted: list[tuple[bytes, list[tuple[bytes, int]]]] = []
+        from_disk: list[tuple[bytes, int]] = []
+        from_peer: list[tuple[bytes, int]] = []
+        from_object: list[tuple[bytes, int]] = []
+        for key in keys:
+            if key in outcome:
+                continue
+            outcome[key] = True
+            if (namespace, key) in self._promoting:
+                continue
+            if key in on_disk:
+                wanted.append((key, from_disk))
+            elif self.peers is not None and log.has(key, PEER) and self.peers.can_fetch(namespace, key):
+                wanted.append((key, from_peer))
+            elif self.object is not None and self.object.available() and log.has(key, OBJECT):
+                wanted.append((key, from_object))
+            else:
+                outcome[key] = False
+        slots = pool.reserve(PROMOTE, len(wanted)) if wanted else []
+        for (key, batch), slot in zip(wanted, slots):
+            self._promoting.add((namespace, key))
+            batch.append((key, slot))
+        for key, _ in wanted[len(slots) :]:
+            # Slots held by write-backs free up in a moment: the engine asks again (its
+            # wait is bounded). Every slot pinned otherwise: a miss now beats waiting on us.
+            outcome[key] = pool.orphans > 0
+        if from_disk:
+            submit_disk_jobs(self._io, self.config.tiers.disk.io_threads, self._promote_job, namespace, pool, from_disk)
+        if from_peer:
+            self._peer_io.submit(self._peer_promote_job, namespace, pool, from_peer)
+        if from_object:
+            self._object_io.submit(self._object_promote_job, namespace, pool, from_object)
+        return outcome
+
+    def _promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        """Read a batch; it is committed when its last piece is verified, on a digest thread,
+        while this I/O thread already reads the next batch."""
+
+        def finish(reads: Future[list[bool]] | None) -> None:
+            try:
+                ok = reads.result() if reads is not None else [False] * len(items)
+            except Exception:  # noqa: BLE001
+                logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
+                ok = [False] * len(items)
+            self._finish_promotions(namespace, pool, items, ok)
+
+        try:
+            reads = self.disk.start_reads(namespace, [(key, pool.view(slot)) for key, slot in items])
+        except Exception:  # noqa: BLE001
+            logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
+            finish(None)
+            return
+        reads.add_done_callback(finish)
+
+    def _peer_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        try:
+            ok = self.peers.fetch(namespace, pool, items, self._log(namespace))
+        except Exception:  # noqa: BLE001
+            logger.exception("kvstrata node store: peer fetch of %d chunks failed", len(items))
+            ok = [False] * len(items)
+        with self._lock:
+            self.counters["peer_promotions"] += sum(ok)
+        self._finish_promotions(namespace, pool, items, ok)
+
+    def _object_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        try:
+            ok = self.object.get_many(namespace, [(key, pool.view(slot)) for key, slot in items])
+        except Exception:  # noqa: BLE001
+            logger.exception("kvstrata node store: download of %d chunks failed", len(items))
+            ok = [False] * len(items)
+        log = self._log(namespace)
+        for (key, _), fetched in zip(items, ok):
+            if not fetched and self.object.available():
+                log.record(key, OBJECT, False)  # absent or corrupt, not just unreachable
+        with self._lock:
+            self.counters["object_promotions"] += sum(ok)
+        self._finish_promotions(namespace, pool, items, ok)
+
+    def _finish_promotions(
+        self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], ok: list[bool]
+    ) -> None:
+        promoted = [(slot, key) for (key, slot), arrived in zip(items, ok) if arrived]
+        with self._lock:
+            self._promoting.difference_update((namespace, key) for key, _ in items)
+            _, refused = pool.commit_many(PROMOTE, promoted)
+            if refused:  # a bug, not an I/O outcome: the slots stay reserved, and we say so
+                logger.error("kvstrata node store: %d promotions not committed: %s", len(refused), refused[0])
+            pool.unpin(PROMOTE, [slot for slot, _ in promoted])
+            pool.release(PROMOTE, [slot for (_, slot), arrived in zip(items, ok) if not arrived])
+            self.counters["promotions"] += len(promoted)
+            self.counters["promotion_failures"] += len(items) - len(promoted)
+            self._io_done.notify_all()

@@ -1,0 +1,195 @@
+"""The node store's control surface: the calls engines (and other nodes' stores) make.
+
+Engines register a namespace, then send one merged control batch per step: commits,
+releases, unpins, touches, pins and a refill of reserved slots (see protocol.py); they
+hold a lease that these calls renew, and a clean shutdown returns their holdings at
+once (`release_holder`). Other nodes' stores fetch chunks with `export_chunks`.
+
+Owns: the engines' leases and holdings in the arena, the namespaces' pools and layouts,
+the cap on an engine's stock of reserved slots (`MAX_RESERVED_SHARE`), and purging a
+namespace from every tier.
+Invariants: `register` and `step` run under the store lock and first expire dead
+engines' leases; a step for an unknown namespace or from an earlier store epoch is
+answered with the current epoch and nothing else, so the engine registers again. The
+parts behind a step -- copies of committed chunks (cascade.py), promotions
+(promotion.py), the object-store sweep (object_index.py) -- are started from here and
+run in the background: a step never waits for their I/O (a pin whose chunk is on its
+way is answered `pending`).
+Must not: do the parts' work itself (queueing, pinning for copies, reading into
+reserved slots); it calls their entry points (`_copy_commits`, `_attach_write_back`,
+`_promote`, `_refresh_object_index`, `_indexed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from kvstrata.actors.cascade import Cascade
+from kvstrata.actors.object_index import ObjectIndex
+from kvstrata.actors.promotion import Promotion
+from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.actors.store_state import logger
+from kvstrata.tiers.arena import SlotPool
+from kvstrata.tiers.changelog import CPU, OBJECT
+from kvstrata.tiers.records import chunk_digest
+
+# An engine's stock of free reserved slots is capped at this share of a pool: a larger
+# stock evicts chunks only to keep slots empty.
+MAX_RESERVED_SHARE = 4
+
+
+class StoreControl(Cascade, Promotion, ObjectIndex):
+    """Mixin of `NodeStore`: the calls engines make, over the parts that do the I/O."""
+
+    def ping(self) -> str:
+        return self.arena.epoch
+
+    def register(
+        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None
+    ) -> Registration:
+        """Open (or create) the pool of a namespace for an engine and start its lease."""
+        with self._lock:
+            self.arena.expire()
+            pool = self._pool(namespace, slot_bytes)
+            anchors = (layout or {}).get("anchor_groups")
+            pool.positions.set_anchor_groups(anchors)
+            if self.disk is not None:
+                self.disk.set_anchor_groups(namespace, anchors)
+            if self.object is not None:
+                self.object.set_anchor_groups(namespace, anchors)
+            if layout is not None and namespace not in self.layouts:
+                self.layouts[namespace] = dict(layout)
+                if self.object is not None:
+                    self._object_io.submit(self.object.write_manifest, namespace, dict(layout))
+            self._refresh_object_index(namespace)
+            self.arena.renew(holder)
+            seq, changes = self._log(namespace).snapshot()
+            return Registration(
+                epoch=self.arena.epoch,
+                node_id=self.node_id,
+                geometry=pool.geometry,
+                seq=seq,
+                changes=changes,
+                indexed=self._indexed(namespace),
+            )
+
+    def step(self, request: StepRequest) -> StepReply:
+        """Apply one (merged) control batch of an engine and answer it."""
+        with self._lock:
+            self.arena.expire()
+            pool = self.arena.pools.get(request.namespace)
+            if pool is None or (request.epoch and request.epoch != self.arena.epoch):
+                # A restarted store forgot the namespace; the new epoch tells the engine to
+                # register again and drop what it believed.
+                return StepReply(epoch=self.arena.epoch, seq=0, rejected=[f"unknown namespace {request.namespace}"])
+            namespace = request.namespace
+            self.arena.renew(request.holder)
+            if request.purge:
+                self._purge(namespace)
+            committed, rejected = pool.commit_many(request.holder, request.commit)
+            if committed:
+                self._copy_commits(namespace, pool, committed)
+            self._refresh_object_index(namespace)
+            pool.release(request.holder, request.release)
+            pool.unpin(request.holder, request.unpin)
+            pool.touch(request.touch)
+            pinned = pool.pin(request.holder, request.pin)
+            self.counters["engine_pins"] += len(pinned)
+            promoting = self._promote(namespace, pool, [key for key in request.pin if key not in pinned])
+            pending = [key for key in request.pin if promoting.get(key)]
+            missing = [key for key in request.pin if promoting.get(key) is False]
+            reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
+            # The engine keeps its stock at or under the cap; slots it is still writing
+            # are not counted, so a busy engine's refill is never refused.
+            reserved = pool.reserve(request.holder, min(request.reserve, reserve_cap)) if request.reserve else []
+            if rejected:
+                logger.warning(
+                    "kvstrata node store: rejected %d commits of %s: %s", len(rejected), request.holder, rejected[0]
+                )
+            log = self._log(namespace)
+            since = log.since(request.known_seq)
+            snapshot = since is None
+            seq, changes = log.snapshot() if since is None else since
+            return StepReply(
+                epoch=self.arena.epoch,
+                seq=seq,
+                pinned=pinned,
+                missing=missing,
+                pending=pending,
+                reserved=reserved,
+                reserve_cap=reserve_cap,
+                changes=changes,
+                snapshot=snapshot,
+                rejected=rejected,
+                indexed=self._indexed(namespace),
+            )
+
+    def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
+        """Chunks another node's store asked for: (keys found, their xxh3-128, their bytes).
+
+        From the arena, else the disk (verified on read); absent ones are left out. Arena
+        chunks go out as views of their slots: Ray copies them into its object store when
+        this call returns, before this (single-threaded) actor runs another call, and no
+        background thread writes a committed slot -- the one copy on this side. The
+        receiver verifies every chunk against its digest anyway.
+        """
+        found: list[bytes] = []
+        chunks: list[np.ndarray] = []
+        from_disk: list[bytes] = []
+        with self._lock:
+            pool = self.arena.pools.get(namespace)
+            if pool is None:
+                return [], [], []
+            elsewhere: list[bytes] = []
+            for key in keys:
+                slot = pool.lookup(key)
+                if slot is not None:
+                    found.append(key)
+                    chunks.append(pool.view(slot))
+                else:
+                    elsewhere.append(key)
+            if self.disk is not None and elsewhere:
+                on_disk = self.disk.present(namespace, elsewhere)
+                from_disk = [key for key in elsewhere if key in on_disk]
+            slot_bytes = pool.geometry.slot_bytes
+        if from_disk:
+            buffers = [np.empty(slot_bytes, dtype=np.uint8) for _ in from_disk]
+            read = self.disk.read_many(namespace, list(zip(from_disk, buffers)))
+            for key, buffer, ok in zip(from_disk, buffers, read):
+                if ok:
+                    found.append(key)
+                    chunks.append(buffer)
+        digests = [chunk_digest(namespace, key, chunk) for key, chunk in zip(found, chunks)]
+        with self._lock:
+            self.counters["chunks_exported"] += len(found)
+        return found, digests, chunks
+
+    def release_holder(self, holder: str) -> None:
+        """An engine shutting down cleanly returns its pins and reservations at once."""
+        with self._lock:
+            self.arena.release_holder(holder)
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _pool(self, namespace: str, slot_bytes: int) -> SlotPool:
+        known = namespace in self.arena.pools
+        pool = self.arena.pool(namespace, slot_bytes)
+        if not known:
+            log = self._log(namespace)
+            pool.on_change = lambda keys, present: log.record_many(keys, CPU, present)
+            self._attach_write_back(namespace, pool)
+        return pool
+
+    def _purge(self, namespace: str) -> int:
+        pool = self.arena.pools.get(namespace)
+        removed = pool.purge() if pool is not None else 0
+        if self.disk is not None:
+            removed += sum(self.disk.remove(namespace, key) for key in self.disk.keys(namespace))
+        if self.object is not None:
+            log = self._log(namespace)
+            for key in log.present(OBJECT):
+                log.record(key, OBJECT, False)
+            self._object_io.submit(self.object.purge, namespace)
+        return removed
