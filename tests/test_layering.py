@@ -1,0 +1,127 @@
+"""The package's layering, read from the source: imports run one way and never in a circle.
+
+tiers (storage engines) <- actors (Ray glue) <- connector (the vLLM adapter). Every
+import counts, also one inside a function: a lazy import that runs upward still ties
+a lower layer to a higher one. `kvstrata.testing` is a helper for tests, examples and
+benchmarks and stands outside the layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvstrata"
+MAX_MODULE_LINES = 600
+
+# layer -> what it must never import (kvstrata layers and third-party roots)
+FORBIDDEN = {
+    "kvstrata.tiers": ("kvstrata.actors", "kvstrata.connector", "ray", "vllm"),
+    "kvstrata.actors": ("kvstrata.connector", "vllm"),
+    "kvstrata.keys": ("kvstrata.tiers", "kvstrata.actors", "kvstrata.connector", "ray", "vllm"),
+    "kvstrata.identity": ("kvstrata.tiers", "kvstrata.actors", "kvstrata.connector", "ray", "vllm"),
+    "kvstrata.config": ("kvstrata.tiers", "kvstrata.actors", "kvstrata.connector", "ray", "vllm"),
+}
+VLLM_GATEWAY = "kvstrata.connector.compat"
+OUTSIDE_LAYERS = ("kvstrata.testing",)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth of its code, as absolute names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return found
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    return {name: imports_of(path) for name, path in modules.items()}
+
+
+def test_no_layer_imports_one_above_it(graph):
+    wrong = [
+        f"{module} imports {imported}"
+        for module, imported_set in graph.items()
+        for layer, forbidden in FORBIDDEN.items()
+        if within(module, layer)
+        for imported in imported_set
+        if any(within(imported, bad) for bad in forbidden)
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_only_the_compat_module_imports_vllm(graph):
+    wrong = [
+        f"{module} imports {imported}"
+        for module, imported_set in graph.items()
+        if module != VLLM_GATEWAY and module not in OUTSIDE_LAYERS
+        for imported in imported_set
+        if within(imported, "vllm")
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycle_inside_the_package(graph):
+    internal = {
+        module: {imp for imp in imported if imp in graph and imp != module and not within(module, imp)}
+        for module, imported in graph.items()
+    }
+    # A package's __init__ importing its own submodules is not a cycle of responsibility.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for imported in sorted(internal[module]):
+            if state.get(imported) == 1:
+                cycles.append(stack[stack.index(imported) :] + [imported])
+            elif imported not in state:
+                visit(imported)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(internal):
+        if module not in state:
+            visit(module)
+    assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_no_module_is_too_long_to_hold_in_one_head():
+    long = {
+        module_name(path): lines
+        for path in PACKAGE.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, long
+
+
+def test_the_checks_see_what_they_claim(graph):
+    """The walk finds lazy imports and relative ones; a checker that sees nothing passes vacuously."""
+    assert "kvstrata.actors.client" in graph["kvstrata.connector.spec"]  # imported inside get_manager
+    assert "vllm" in graph[VLLM_GATEWAY]
+    assert any(within(imported, "kvstrata.tiers") for imported in graph["kvstrata.actors.node_store"])
