@@ -105,9 +105,14 @@ class RayStoreClient:
             raise StoreUnavailable(f"node store is down ({type(exc).__name__})") from None
 
     def register(
-        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None
+        self,
+        holder: str,
+        namespace: str,
+        slot_bytes: int,
+        layout: Mapping[str, object] | None = None,
+        watch: bool = False,
     ) -> Registration:
-        return self._call("register", holder, namespace, slot_bytes, layout)
+        return self._call("register", holder, namespace, slot_bytes, layout, watch)
 
     def step(self, request: StepRequest) -> StepReply:
         return self._call("step", request)

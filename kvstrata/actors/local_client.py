@@ -26,9 +26,14 @@ class LocalStoreClient:
         self.store = store
 
     def register(
-        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None
+        self,
+        holder: str,
+        namespace: str,
+        slot_bytes: int,
+        layout: Mapping[str, object] | None = None,
+        watch: bool = False,
     ) -> Registration:
-        return self.store.register(holder, namespace, slot_bytes, layout)
+        return self.store.register(holder, namespace, slot_bytes, layout, watch)
 
     def step(self, request: StepRequest) -> StepReply:
         return self.store.step(request)

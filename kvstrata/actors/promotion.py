@@ -68,9 +68,10 @@ class Promotion(StoreState):
             self._promoting.add((namespace, key))
             batch.append((key, slot))
         for key, _ in wanted[len(slots) :]:
-            # Slots held by write-backs free up in a moment: the engine asks again (its
-            # wait is bounded). Every slot pinned otherwise: a miss now beats waiting on us.
-            outcome[key] = pool.orphans > 0
+            # Slots held by write-backs, or waiting for an engine to see their chunk go,
+            # free up in a moment: the engine asks again (its wait is bounded). Every slot
+            # pinned otherwise: a miss now beats waiting on us.
+            outcome[key] = pool.settling > 0
         if from_disk:
             submit_disk_jobs(self._io, self.config.tiers.disk.io_threads, self._promote_job, namespace, pool, from_disk)
         if from_peer:

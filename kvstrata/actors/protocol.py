@@ -18,6 +18,9 @@ class StepRequest:
     epoch: str = ""
     known_seq: int = 0
     pin: list[bytes] = field(default_factory=list)
+    # (key, slot) of HITs the engine answered from its mirror, with no call to the store:
+    # taken as pins *before* `known_seq` is acknowledged (deferred slot reuse).
+    hold: list[tuple[bytes, int]] = field(default_factory=list)
     # Resident keys the engine saw reused (offered again, GPU prefix hits): recency only.
     touch: list[bytes] = field(default_factory=list)
     unpin: list[int] = field(default_factory=list)
@@ -28,7 +31,9 @@ class StepRequest:
     purge: bool = False
 
     def is_empty(self) -> bool:
-        return not (self.pin or self.touch or self.unpin or self.commit or self.release or self.reserve or self.purge)
+        return not (
+            self.pin or self.hold or self.touch or self.unpin or self.commit or self.release or self.reserve or self.purge
+        )
 
     def merge(self, later: "StepRequest") -> "StepRequest":
         """Combine two requests in order; slots of an older store epoch are dropped."""
@@ -40,6 +45,7 @@ class StepRequest:
             epoch=self.epoch,
             known_seq=max(self.known_seq, later.known_seq),
             pin=self.pin + later.pin,
+            hold=self.hold + later.hold,
             touch=self.touch + later.touch,
             unpin=self.unpin + later.unpin,
             commit=self.commit + later.commit,
@@ -62,6 +68,8 @@ class StepReply:
     reserve_cap: int = 0
     # (key, medium, present) per tier membership change since the engine's `known_seq`.
     changes: list[tuple[bytes, str, bool]] = field(default_factory=list)
+    # The arena slot of each key `changes` says is present in the CPU tier.
+    slots: dict[bytes, int] = field(default_factory=dict)
     # True: `changes` lists everything present and replaces the engine's mirror.
     snapshot: bool = False
     rejected: list[str] = field(default_factory=list)
@@ -80,4 +88,5 @@ class Registration:
     geometry: object  # kvstrata.tiers.arena.PoolGeometry
     seq: int
     changes: list[tuple[bytes, str, bool]]  # everything present, as in a snapshot reply
+    slots: dict[bytes, int] = field(default_factory=dict)  # as in StepReply
     indexed: bool = True  # as in StepReply

@@ -1,7 +1,9 @@
 """The node store's control surface: the calls engines (and other nodes' stores) make.
 
-Engines register a namespace, then send one merged control batch per step: commits,
-releases, unpins, touches, pins and a refill of reserved slots (see protocol.py); they
+Engines register a namespace, then send one merged control batch per step: holds of
+HITs they answered from their mirror, commits, releases, unpins, touches, pins and a
+refill of reserved slots (see protocol.py), and the change-log sequence their mirror has
+applied, which lets the arena reuse the slots of chunks they saw leave; they
 hold a lease that these calls renew, and a clean shutdown returns their holdings at
 once (`release_holder`). Other nodes' stores fetch chunks with `export_chunks`.
 
@@ -10,7 +12,8 @@ the cap on an engine's stock of reserved slots (`MAX_RESERVED_SHARE`), and purgi
 namespace from every tier.
 Invariants: `register` and `step` run under the store lock and first expire dead
 engines' leases; a step for an unknown namespace or from an earlier store epoch is
-answered with the current epoch and nothing else, so the engine registers again. The
+answered with the current epoch and nothing else, so the engine registers again; a
+step's holds are taken before its acknowledgement (deferred slot reuse). The
 parts behind a step -- copies of committed chunks (cascade.py), promotions
 (promotion.py), the object-store sweep (object_index.py) -- are started from here and
 run in the background: a step never waits for their I/O (a pin whose chunk is on its
@@ -47,9 +50,18 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         return self.arena.epoch
 
     def register(
-        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None
+        self,
+        holder: str,
+        namespace: str,
+        slot_bytes: int,
+        layout: Mapping[str, object] | None = None,
+        watch: bool = False,
     ) -> Registration:
-        """Open (or create) the pool of a namespace for an engine and start its lease."""
+        """Open (or create) the pool of a namespace for an engine and start its lease.
+
+        `watch`: the engine answers HITs from a mirror of the index (a manager); slots are
+        then reused only once it acknowledged their chunks' removal.
+        """
         with self._lock:
             self.arena.expire()
             pool = self._pool(namespace, slot_bytes)
@@ -59,19 +71,20 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 self.disk.set_anchor_groups(namespace, anchors)
             if self.object is not None:
                 self.object.set_anchor_groups(namespace, anchors)
-            if layout is not None and namespace not in self.layouts:
-                self.layouts[namespace] = dict(layout)
-                if self.object is not None:
-                    self._object_io.submit(self.object.write_manifest, namespace, dict(layout))
+            if layout is not None:
+                self._note_layout(namespace, layout)
             self._refresh_object_index(namespace)
             self.arena.renew(holder)
             seq, changes = self._log(namespace).snapshot()
+            if watch:
+                pool.watch(holder, seq)
             return Registration(
                 epoch=self.arena.epoch,
                 node_id=self.node_id,
                 geometry=pool.geometry,
                 seq=seq,
                 changes=changes,
+                slots=self._slots_of(pool, changes),
                 indexed=self._indexed(namespace),
             )
 
@@ -86,6 +99,15 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 return StepReply(epoch=self.arena.epoch, seq=0, rejected=[f"unknown namespace {request.namespace}"])
             namespace = request.namespace
             self.arena.renew(request.holder)
+            # Holds before anything else, and before the acknowledgement they guard.
+            refused = pool.hold(request.holder, request.hold)
+            pool.acknowledge(request.holder, request.known_seq)
+            self.counters["engine_pins"] += len(request.hold) - len(refused)
+            if refused:
+                logger.error(
+                    "kvstrata node store: %d HITs of %s lost their slot before their pin: %s",
+                    len(refused), request.holder, refused[0],
+                )  # fmt: skip
             if request.purge:
                 self._purge(namespace)
             committed, rejected = pool.commit_many(request.holder, request.commit)
@@ -121,8 +143,9 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 reserved=reserved,
                 reserve_cap=reserve_cap,
                 changes=changes,
+                slots=self._slots_of(pool, changes),
                 snapshot=snapshot,
-                rejected=rejected,
+                rejected=refused + rejected,
                 indexed=self._indexed(namespace),
             )
 
@@ -173,12 +196,37 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
 
     # --- internals -----------------------------------------------------------------------
 
+    @staticmethod
+    def _slots_of(pool: SlotPool, changes: list[tuple[bytes, str, bool]]) -> dict[bytes, int]:
+        """The arena slot of each chunk the changes say is in the CPU tier (the log and the
+        pool change together under the store lock, so they agree)."""
+        lookup = pool.lookup
+        return {key: slot for key, medium, present in changes if medium == CPU and present and (slot := lookup(key)) is not None}
+
+    def _note_layout(self, namespace: str, layout: Mapping[str, object]) -> None:
+        """Remember what a namespace is and every model name it is served under; one log
+        line when a namespace or a new name for it appears."""
+        known = self.layouts.get(namespace)
+        model = str(layout.get("model", ""))
+        if known is None:
+            self.layouts[namespace] = {**layout, "models": [model]}
+            if self.object is not None:
+                self._object_io.submit(self.object.write_manifest, namespace, dict(layout))
+            logger.info(
+                "kvstrata node store: namespace %s: model %s, identity %s (%s)",
+                namespace, model, layout.get("identity", "none"), layout.get("identity_source") or "name only",
+            )  # fmt: skip
+        elif model not in known["models"]:
+            known["models"].append(model)
+            logger.info("kvstrata node store: namespace %s also serves model %s (same identity)", namespace, model)
+
     def _pool(self, namespace: str, slot_bytes: int) -> SlotPool:
         known = namespace in self.arena.pools
         pool = self.arena.pool(namespace, slot_bytes)
         if not known:
             log = self._log(namespace)
             pool.on_change = lambda keys, present: log.record_many(keys, CPU, present)
+            pool.reuse.seq = lambda: log.seq  # a retired slot waits for the log position of its removal
             self._attach_write_back(namespace, pool)
         return pool
 

@@ -137,6 +137,12 @@ class SlotPool:
         At most `count` chunks are evicted per call: with write-back an evicted slot
         frees only once its bytes reached disk, and one reservation must not push the
         whole arena out.
+
+        With watchers, an evicted slot frees only at their next acknowledgement (deferred
+        reuse), a step later: so once the arena is full, a call also evicts ahead, up to
+        `count` slots on their way for the next call. Without it a steady stream of
+        reservations would be granted every other step (measured: 59 % of vLLM's stores
+        on a trace that overflows the arena).
         """
         granted: list[int] = []
         evictions = count
@@ -150,12 +156,28 @@ class SlotPool:
             slot = self._free.pop()
             self._reserved[slot] = holder
             granted.append(slot)
+        if self.reuse.watchers:
+            ahead = count - len(self._free) - len(self.reuse)
+            while ahead > 0 and evictions:
+                if self._grow():
+                    ahead = count - len(self._free) - len(self.reuse)
+                    continue
+                if not self._evict_one():
+                    break
+                ahead -= 1
+                evictions -= 1
         return granted
 
     @property
     def orphans(self) -> int:
         """Evicted slots still held by a write-back: they free up as their copies finish."""
         return len(self._orphans)
+
+    @property
+    def settling(self) -> int:
+        """Slots that are neither free nor usable yet but will be soon: orphans held by a
+        copy to another tier, and slots waiting for engines to see their chunk go."""
+        return len(self._orphans) + len(self.reuse)
 
     @property
     def max_slots(self) -> int:
