@@ -53,5 +53,7 @@ class EvictionOrder(ManagerState):
             if pin.requests or pin.loads:
                 continue
             del self._pinned[key]
-            if pin.epoch == self._epoch:
+            if not pin.recorded:
+                self._to_hold.remove((key, pin.slot))  # never sent: the store holds nothing
+            elif pin.epoch == self._epoch:
                 self._out_unpin.append(pin.slot)

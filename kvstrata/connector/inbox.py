@@ -1,28 +1,30 @@
 """The store's replies: recorded on the control thread, applied on the scheduler's.
 
 The control thread calls `_receive_reply` / `_receive_failure` with each answer to a
-step request; they only append to `_inbox` (and, when the store restarted, register
-again first: a blocking call, but on the control thread). `_drain_inbox` applies what
-arrived, at the safe points the manager chooses (the first lookup of a scheduling pass,
-completion callbacks, the end of a step), never between a `lookup` that said HIT and
-the `prepare_load` that follows it in the same scheduling pass.
+step request; they append to `_inbox` (and, when the store restarted, register again
+first: a blocking call, but on the control thread). `_drain_inbox` applies what arrived
+at safe points: on the control thread itself when no scheduling pass is open, else at
+the first lookup of the next pass, completion callbacks and the end of a step; never
+between a `lookup` that said HIT and the `prepare_load` that follows it in one pass.
 
-Applying writes the mirror and its freshness (`_mirror`, `_view_as_of`, `_seq`), what
-the store granted or refused (`_stock`, `_reserve_*`, `_pinned`, `_pin_waiters`,
-`_promoted`, `_to_pin`, `_req_keys`), operations to send again (`_out_*`,
+Applying writes the mirror and its freshness (`_mirror`, `_resident`, `_view_as_of`,
+`_seq`), what the store granted or refused (`_stock`, `_reserve_*`, `_pinned`,
+`_pin_waiters`, `_promoted`, `_to_pin`, `_req_keys`), operations to send again (`_out_*`,
 `_purge_requested`), events, counters, and after a restart the epoch and geometry.
 
 Invariants: a reply to a request of an older epoch changes nothing but counters; a
 store restart drops every pin but those with a load in flight (rule 1) and every slot
-and queued operation of the old epoch; the control thread takes `_lock` only to append
-(rule 2: the scheduler never waits on the store, the control thread never waits long
-for the scheduler). Must not send requests: what the replies ask for goes out with the
-next step.
+and queued operation of the old epoch; the control thread holds `_lock` only to append
+and apply (rule 2: the scheduler never waits on the store, the control thread never
+waits long for the scheduler). Must not send requests, but for the holds of a failed
+call (`_resend_holds`), which must reach the store before any later acknowledgement:
+everything else the replies ask for goes out with the next step.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.connector.compat import make_event
@@ -41,15 +43,15 @@ class ReplyInbox(ManagerState):
         self._geometry = registration.geometry
         self._seq = registration.seq
         self._mirror = {}
-        self._apply_changes(registration.changes, snapshot=True, emit=False)
+        self._apply_changes(registration.changes, registration.slots, snapshot=True, emit=False)
 
-    # Called on the control thread: only records, never touches manager state.
+    # Called on the control thread.
     def _receive_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
         if reply.epoch != self._thread_epoch:
             sent_at = self._clock()
             try:
                 registration = self._client.register(
-                    self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe()
+                    self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe(), True
                 )
             except Exception as exc:  # noqa: BLE001
                 self._receive_failure(request, exc, sent_at)
@@ -60,15 +62,66 @@ class ReplyInbox(ManagerState):
                 self.holder,
                 registration.epoch,
             )
-            with self._lock:
-                self._inbox.append(("reset", request, registration, sent_at))
+            self._receive(("reset", request, registration, sent_at))
             return
-        with self._lock:
-            self._inbox.append(("reply", request, reply, sent_at))
+        self._receive(("reply", request, reply, sent_at))
 
     def _receive_failure(self, request: StepRequest, exc: Exception, sent_at: float) -> None:
         with self._lock:
-            self._inbox.append(("failure", request, exc, sent_at))
+            self._resend_holds(request)
+            self._receive(("failure", request, exc, sent_at))
+
+    def _take_holds(self) -> list[tuple[bytes, int]]:
+        """The holds of every HIT answered from the mirror so far, for a request that also
+        acknowledges `_seq`: the store takes them before the acknowledgement, so a slot it
+        evicted meanwhile is not reused under a load that reads it (deferred slot reuse)."""
+        holds, self._to_hold = self._to_hold, []
+        for key, slot in holds:
+            pin = self._pinned.get(key)
+            if pin is not None and pin.slot == slot:
+                pin.recorded = True
+        return holds
+
+    def _resend_holds(self, failed: StepRequest) -> None:
+        """The holds of a failed call go out again *before* any acknowledgement after it.
+
+        The channel may already have the next request queued, built with a later
+        `known_seq` but without these holds; submitting them now merges them into it,
+        so the store takes them before it acknowledges that sequence (the failure
+        callback runs before the channel sends its queue). A hold whose HIT no longer
+        needs the slot is undone instead: the store may have taken the lost call.
+        """
+        if not failed.hold or failed.epoch != self._epoch:
+            return
+        holds, unpins = [], []
+        for key, slot in failed.hold:
+            pin = self._pinned.get(key)
+            if pin is not None and pin.slot == slot and pin.epoch == self._epoch:
+                holds.append((key, slot))
+            else:
+                unpins.append(slot)
+        self._channel.submit(
+            StepRequest(
+                holder=self.holder,
+                namespace=self.namespace,
+                epoch=self._epoch,
+                known_seq=self._seq,
+                hold=holds + self._take_holds(),
+                unpin=unpins,
+            )
+        )
+
+    def _receive(self, entry: tuple[str, StepRequest, Any, float]) -> None:
+        """Record an answer; apply it at once when no scheduling pass is open.
+
+        Between passes no lookup's HIT awaits its prepare_load, so applying is as safe here
+        as in a completion callback, and an idle engine's view (and the sequence it
+        acknowledges, which lets the store reuse slots) keeps up with the store.
+        """
+        with self._lock:
+            self._inbox.append(entry)
+            if not self._pass_open:
+                self._drain_inbox()
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -111,6 +164,7 @@ class ReplyInbox(ManagerState):
                 del self._pin_waiters[key]
                 self._counters["pins_missed"] += 1
             self._mirror.pop(key, None)
+            self._resident.pop(key, None)
             self._promoted.pop(key, None)
         for key in reply.pending:
             # Being promoted (disk first, else the object store): ask again next step.
@@ -118,14 +172,30 @@ class ReplyInbox(ManagerState):
                 self._to_pin.append(key)
                 media = self._mirror.get(key, ())
                 self._promoted.setdefault(key, next((m for m in (STORAGE, PEER) if m in media), OBJECT))
-        self._apply_changes(reply.changes, reply.snapshot, emit=True)
+        self._apply_changes(reply.changes, reply.slots, reply.snapshot, emit=True)
         self._seq = reply.seq
+        refused = sum(reason.startswith("cannot hold") for reason in reply.rejected)
+        if refused:
+            self._counters["holds_refused"] += refused
+            logger.error("kvstrata manager %s: %d HITs lost their slot before their pin arrived", self.holder, refused)
         if reply.rejected:
             logger.warning("kvstrata manager %s: store rejected %d operations: %s", self.holder, len(reply.rejected), reply.rejected[0])
 
-    def _apply_changes(self, changes: list[tuple[bytes, str, bool]], snapshot: bool, emit: bool) -> None:
-        """Fold the store's tier membership changes into the mirror; emit them as events."""
+    def _apply_changes(
+        self, changes: list[tuple[bytes, str, bool]], slots: dict[bytes, int], snapshot: bool, emit: bool
+    ) -> None:
+        """Fold the store's tier membership changes into the mirror (and the arena slots of
+        the chunks it has in the CPU tier); emit them as events."""
         events: dict[tuple[str, bool], list[bytes]] = {}
+        if snapshot:
+            self._resident = {}
+        for key, medium, present in changes:
+            if medium != CPU:
+                continue
+            if present and key in slots:
+                self._resident[key] = slots[key]
+            else:
+                self._resident.pop(key, None)
         if snapshot:
             fresh: dict[bytes, set[str]] = {}
             for key, medium, present in changes:
@@ -169,6 +239,7 @@ class ReplyInbox(ManagerState):
         for key in request.pin:
             if self._pin_waiters.pop(key, None) is not None:
                 self._mirror.pop(key, None)
+                self._resident.pop(key, None)
 
     def _apply_reset(self, registration: Registration, as_of: float) -> None:
         # Slots of the old epoch mean nothing to the new store. Loads already prepared
@@ -184,6 +255,9 @@ class ReplyInbox(ManagerState):
         self._out_unpin.clear()
         self._out_release.clear()
         self._reset_pins.clear()
+        self._to_hold.clear()  # the new store never handed out those slots
         for key in [k for k, p in self._pinned.items() if not p.loads]:
             del self._pinned[key]
+        for pin in self._pinned.values():
+            pin.recorded = True  # of the old epoch: nothing to send, nothing to unpin
         self._adopt(registration, as_of)

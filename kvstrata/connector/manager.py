@@ -57,12 +57,14 @@ from kvstrata.keys import Layout
 
 logger = logging.getLogger(__name__)
 
+# An idle engine (no scheduler steps) still acknowledges the store's changes this often,
+# so slots evicted by busy engines on the node wait at most about this long for it.
+IDLE_ACK_SECONDS = 0.2
+
 __all__ = ["COUNTER_NAMES", "GAUGE_NAMES", "MAX_RESERVE_TARGET", "ArenaSlotsSpec", "StrataManager", "metric_name"]
 
 
 class StrataManager(PinsAndSlots):
-    _channel: ControlChannel
-
     def __init__(
         self,
         client: Any,
@@ -75,7 +77,7 @@ class StrataManager(PinsAndSlots):
         ManagerState.__init__(self, client, layout, config, holder, enable_events, clock)
 
         asked = clock()
-        registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe())
+        registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe(), True)
         self._thread_epoch = registration.epoch
         self._adopt(registration, asked)
         logger.info(
@@ -91,7 +93,7 @@ class StrataManager(PinsAndSlots):
             on_reply=self._receive_reply,
             on_failure=self._receive_failure,
             heartbeat=self._heartbeat_request,
-            heartbeat_s=config.engine.lease_seconds / 3,
+            heartbeat_s=min(config.engine.lease_seconds / 3, IDLE_ACK_SECONDS),
             name=f"kvstrata-control-{holder[:8]}",
             clock=clock,
         )
@@ -174,6 +176,7 @@ class StrataManager(PinsAndSlots):
             epoch=self._epoch,
             known_seq=self._seq,
             pin=self._to_pin,
+            hold=self._take_holds(),
             touch=self._to_touch,
             unpin=self._out_unpin,
             commit=self._out_commit,
@@ -192,7 +195,10 @@ class StrataManager(PinsAndSlots):
 
     def _heartbeat_request(self) -> StepRequest:
         with self._lock:
-            return StepRequest(holder=self.holder, namespace=self.namespace, epoch=self._epoch, known_seq=self._seq)
+            return StepRequest(
+                holder=self.holder, namespace=self.namespace, epoch=self._epoch, known_seq=self._seq, hold=self._take_holds()
+            )
+
 
     def _submit(self, request: StepRequest) -> None:
         self._view_wanted = False

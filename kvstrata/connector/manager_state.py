@@ -17,8 +17,9 @@ consistency would rest on call order. Here every field is declared below, and ea
 module's docstring says which fields it writes.
 
 Invariants every writer keeps:
-- rule 1: a HIT's bytes stay put until its load completes. HIT means "resident and
-  pinned for this engine"; a pin with a load in flight (`Pin.loads` > 0) is never
+- rule 1: a HIT's bytes stay put until its load completes. HIT means "pinned for this
+  engine", where a pin answered from the mirror is covered by deferred slot reuse until
+  its hold reaches the store; a pin with a load in flight (`Pin.loads` > 0) is never
   unpinned: idle-pin release and a store restart keep it, and a reset, which forgets
   every pin, unpins its slot only once vLLM flushed the loads that may read it. Pins of
   an old store epoch are forgotten, never unpinned (the restarted store unlinks the old
@@ -44,6 +45,7 @@ from typing import Any
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import KvstrataConfig
 from kvstrata.connector.compat import OffloadingEvent
+from kvstrata.connector.control import ControlChannel
 from kvstrata.connector.metrics import COUNTER_NAMES
 from kvstrata.keys import Layout
 from kvstrata.tiers.arena import PoolGeometry
@@ -63,6 +65,8 @@ class Pin:
     # other requests find it in the arena): `STORAGE` (disk) or `OBJECT`.
     promoted_from: str = CPU
     promoted_for: frozenset[str] = frozenset()
+    # False for a HIT answered from the mirror whose hold has not gone to the store yet.
+    recorded: bool = True
 
 
 class ManagerState:
@@ -72,6 +76,7 @@ class ManagerState:
     _geometry: PoolGeometry
     _seq: int  # the store's change log position the mirror is at
     _thread_epoch: str  # the epoch the control thread registered for (control thread only)
+    _channel: ControlChannel  # set by StrataManager once registered
 
     def __init__(
         self,
@@ -93,6 +98,10 @@ class ManagerState:
 
         # key -> tiers ("CPU", "STORAGE") of the node store that hold it
         self._mirror: dict[bytes, set[str]] = {}
+        # key -> its arena slot, for the keys the mirror has in the CPU tier
+        self._resident: dict[bytes, int] = {}
+        # (key, slot) of HITs answered from the mirror, not yet sent (deferred slot reuse)
+        self._to_hold: list[tuple[bytes, int]] = []
         self._promoted: dict[bytes, str] = {}  # pins that wait on a promotion -> the tier it reads
         self._pinned: dict[bytes, Pin] = {}
         self._pin_waiters: dict[bytes, set[str]] = {}  # asked for, not yet answered

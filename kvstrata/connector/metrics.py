@@ -24,6 +24,9 @@ COUNTER_NAMES = {
     "chunks_promoted": "Hits that waited for the node store to bring the chunk from disk into the arena.",
     "control_failures": "Control calls to the node store that failed or timed out.",
     "lookups_timed_out": "Lookups answered MISS because the chunk was not pinned within lookup_wait_seconds.",
+    "lookups_retried": "Lookups answered RETRY: the request waits a step for the store (promotion, a stale view).",
+    "hits_without_round_trip": "Arena-resident chunks answered HIT at their first lookup, with no store call.",
+    "holds_refused": "HITs whose pin the node store refused (never expected; each is logged).",
 }
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",

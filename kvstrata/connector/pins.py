@@ -1,22 +1,25 @@
 """vLLM's per-request calls: lookups and loads against pins, stores against the stock.
 
 - A `lookup` answers from local state only: HIT for a chunk pinned for this engine in
-  the current store epoch, HIT_PENDING for one this engine is storing, RETRY while a
-  pin (or a fresher view of the store) is on its way, MISS otherwise -- and MISS, to
-  recompute, once a request has waited `lookup_wait_seconds`.
+  the current store epoch, or resident in the arena per the mirror (pinned here at
+  once, its hold queued for the next request: deferred slot reuse keeps the slot),
+  HIT_PENDING for one this engine is storing, RETRY while a promotion (or a fresher
+  view of the store) is on its way, MISS otherwise -- and MISS, to recompute, once a
+  request has waited `lookup_wait_seconds`.
 - `prepare_load` hands out the slots of pinned chunks; `complete_load` lets them go.
 - `prepare_store` takes slots from the stock reserved in advance (head of the prefix
   first); `complete_store` commits or releases them.
 - `on_request_finished` drops a request's claims; `reset_cache` forgets everything of
   the namespace and asks the store to purge it.
 
-Writes: `_pinned` (loads, requests, pins of stored chunks), `_pin_waiters`, `_to_pin`,
+Writes: `_pinned` (loads, requests, pins of stored chunks), `_to_hold`, `_pin_waiters`, `_to_pin`,
 `_storing`, `_stock` (taken), `_store_demand` / `_store_dropped`, `_arrived`,
 `_req_keys`, `_out_commit` / `_out_release`, `_reset_pins`, and the mirror for chunks
 this engine stored or a reset cleared.
 
-Invariants: rule 1 -- a HIT means "resident and pinned for this engine", so its
-`prepare_load` cannot fail, and a pinned slot stays pinned while a load may read it
+Invariants: rule 1 -- a HIT means "pinned for this engine, or held by deferred reuse
+until its hold reaches the store", so its `prepare_load` cannot fail and its slot keeps
+the chunk's bytes; a pinned slot stays pinned while a load may read it
 (`loads`, and `_reset_pins` across a reset); rule 2 -- no call here blocks: what a
 lookup needs from the store goes out with the step's request, and `prepare_store`
 never waits for a slot (no slot in stock: the chunk is not stored). Every call holds
@@ -70,39 +73,57 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         with self._lock:
-            if not self._pass_open:
-                # First lookup of a scheduling pass: replies that arrived during the
-                # forward pass turn this pass's RETRYs into HITs.
-                self._pass_open = True
-                self._drain_inbox()
-            req_id = req_context.req_id
-            now = self._clock()
-            arrived = self._arrived.setdefault(req_id, now)
-            pin = self._pinned.get(key)
-            if pin is not None and pin.epoch == self._epoch:
-                pin.requests.add(req_id)
-                self._req_keys.setdefault(req_id, set()).add(key)
-                self._note_used(key, req_context)
-                return LookupResult.HIT
-            if key in self._storing:
-                return LookupResult.HIT_PENDING
-            if now - arrived > self._lookup_wait:
-                # A slow promotion or a silent store must not hold the request: recompute.
-                if key in self._pin_waiters or key in self._mirror:
-                    self._counters["lookups_timed_out"] += 1
-                return LookupResult.MISS
-            waiters = self._pin_waiters.get(key)
-            if waiters is not None:
-                waiters.add(req_id)
-                return LookupResult.RETRY
-            if key in self._mirror:
-                self._pin_waiters[key] = {req_id}
-                self._to_pin.append(key)
-                return LookupResult.RETRY
-            if self._view_as_of < arrived - self._max_view_age:
-                self._view_wanted = True
-                return LookupResult.RETRY
+            result = self._answer(key, req_context)
+            if result is LookupResult.RETRY:
+                self._counters["lookups_retried"] += 1
+            return result
+
+    def _answer(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """The answer to one lookup; the caller holds the lock."""
+        if not self._pass_open:
+            # First lookup of a scheduling pass: replies that arrived during the
+            # forward pass turn this pass's RETRYs into HITs.
+            self._pass_open = True
+            self._drain_inbox()
+        req_id = req_context.req_id
+        now = self._clock()
+        arrived = self._arrived.setdefault(req_id, now)
+        pin = self._pinned.get(key)
+        if pin is not None and pin.epoch == self._epoch:
+            pin.requests.add(req_id)
+            self._req_keys.setdefault(req_id, set()).add(key)
+            self._note_used(key, req_context)
+            return LookupResult.HIT
+        if key in self._storing:
+            return LookupResult.HIT_PENDING
+        slot = self._resident.get(key)
+        if slot is not None and pin is None:
+            # Resident in the arena: HIT now, as vLLM's own CPU manager answers. The
+            # pin goes out with the next control call, before this engine acknowledges
+            # any later view; until then deferred slot reuse keeps the slot's bytes.
+            self._pinned[key] = Pin(slot, self._epoch, requests={req_id}, recorded=False)
+            self._to_hold.append((key, slot))
+            self._req_keys.setdefault(req_id, set()).add(key)
+            self._note_used(key, req_context)
+            self._counters["hits_without_round_trip"] += 1
+            return LookupResult.HIT
+        if now - arrived > self._lookup_wait:
+            # A slow promotion or a silent store must not hold the request: recompute.
+            if key in self._pin_waiters or key in self._mirror:
+                self._counters["lookups_timed_out"] += 1
             return LookupResult.MISS
+        waiters = self._pin_waiters.get(key)
+        if waiters is not None:
+            waiters.add(req_id)
+            return LookupResult.RETRY
+        if key in self._mirror:
+            self._pin_waiters[key] = {req_id}
+            self._to_pin.append(key)
+            return LookupResult.RETRY
+        if self._view_as_of < arrived - self._max_view_age:
+            self._view_wanted = True
+            return LookupResult.RETRY
+        return LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
         """The tier a HIT was loaded from (vLLM 0.32+ reports it per request)."""
