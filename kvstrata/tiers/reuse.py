@@ -20,15 +20,16 @@ Invariants:
 - A waiting slot keeps the bytes of exactly one former chunk (`former`) and is in no
   other state (free, reserved, indexed, orphaned) until it is claimed or released.
 - `claim` gives a waiting slot to a pin only for that former chunk's key.
-- Entries leave in order of the sequence they wait for; a slot retired again after a
-  claim waits for its new sequence (a stale entry of an older retirement is skipped).
+- Entries leave in order of the sequence they wait for (a heap: an orphan retires with
+  the older sequence of its chunk's removal); a slot retired again after a claim waits
+  for its new sequence (a stale entry of an older retirement is skipped).
 
 Plain Python, no locks: the arena's pool calls it under the node store's lock.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Callable
 
 
@@ -36,7 +37,7 @@ class DeferredReuse:
     def __init__(self, seq: Callable[[], int] = lambda: 0):
         self.seq = seq  # the namespace's change-log sequence, read at each retirement
         self._acked: dict[str, int] = {}
-        self._queue: deque[tuple[int, int]] = deque()  # (sequence waited for, slot), ascending
+        self._queue: list[tuple[int, int]] = []  # heap of (sequence waited for, slot)
         self._waiting: dict[int, int] = {}  # slot -> the sequence its live entry waits for
         self.former: dict[int, bytes] = {}  # waiting slot -> key whose bytes it still holds
         self.peak = 0
@@ -66,16 +67,22 @@ class DeferredReuse:
             return []
         return self._release()
 
-    def retire(self, slot: int, key: bytes | None) -> bool:
-        """A slot leaves every index; True if it must wait (the caller must not free it)."""
+    def retire(self, slot: int, key: bytes | None, removed_at: int | None = None) -> bool:
+        """A slot leaves every index and pin; True if it must wait (the caller must not free it).
+
+        `removed_at`: the log sequence at which `key` left the index, when that was before
+        now (an orphan freed by the end of its copy to another tier): a watcher that
+        acknowledged it answers no HIT from the slot since, and its earlier HITs' holds pin
+        the orphan. Default: the sequence now.
+        """
         if key is None or not self._acked:
             return False
-        seq = self.seq()
+        seq = self.seq() if removed_at is None else removed_at
         if min(self._acked.values()) >= seq:
             return False
         self._waiting[slot] = seq
         self.former[slot] = key
-        self._queue.append((seq, slot))
+        heapq.heappush(self._queue, (seq, slot))
         self.peak = max(self.peak, len(self._waiting))
         return True
 
@@ -91,7 +98,7 @@ class DeferredReuse:
         released: list[int] = []
         queue, waiting = self._queue, self._waiting
         while queue and (floor is None or queue[0][0] <= floor):
-            seq, slot = queue.popleft()
+            seq, slot = heapq.heappop(queue)
             if waiting.get(slot) == seq:
                 del waiting[slot], self.former[slot]
                 released.append(slot)
