@@ -51,6 +51,15 @@ class ControlChannel:
             self._queued = request if self._queued is None else self._queued.merge(request)
             self._cond.notify()
 
+    def amend(self, request: StepRequest) -> bool:
+        """Merge `request` into the one queued for the next call, if there is one; False if
+        nothing is queued (then nothing is sent: the caller keeps what it wanted to say)."""
+        with self._cond:
+            if self._queued is None:
+                return False
+            self._queued = self._queued.merge(request)
+            return True
+
     def busy(self) -> bool:
         with self._cond:
             return self._in_flight or self._queued is not None

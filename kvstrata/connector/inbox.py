@@ -71,6 +71,26 @@ class ReplyInbox(ManagerState):
             self._resend_holds(request)
             self._receive(("failure", request, exc, sent_at))
 
+    def _pin_for_waiters(self, key: bytes, slot: int, recorded: bool = True) -> Pin:
+        """A new local pin of `key` at `slot` for the requests that waited on it, with the
+        tier a promotion they asked for brought it from (what vLLM reports as the source)."""
+        promoted_from = self._promoted.pop(key, CPU)
+        if promoted_from != CPU:
+            self._counters["chunks_promoted"] += 1
+        waiters = self._pin_waiters.pop(key, set())
+        for req_id in waiters:  # so a request that ends before its next lookup lets go
+            self._req_keys.setdefault(req_id, set()).add(key)
+        pin = Pin(
+            slot,
+            self._epoch,
+            requests=set(waiters),
+            promoted_from=promoted_from,
+            promoted_for=frozenset(waiters),
+            recorded=recorded,
+        )
+        self._pinned[key] = pin
+        return pin
+
     def _take_holds(self) -> list[tuple[bytes, int]]:
         """The holds of every HIT answered from the mirror so far, for a request that also
         acknowledges `_seq`: the store takes them before the acknowledgement, so a slot it
@@ -86,10 +106,11 @@ class ReplyInbox(ManagerState):
         """The holds of a failed call go out again *before* any acknowledgement after it.
 
         The channel may already have the next request queued, built with a later
-        `known_seq` but without these holds; submitting them now merges them into it,
-        so the store takes them before it acknowledges that sequence (the failure
-        callback runs before the channel sends its queue). A hold whose HIT no longer
-        needs the slot is undone instead: the store may have taken the lost call.
+        `known_seq` but without these holds: they are merged into it, so the store takes
+        them before it acknowledges that sequence (the failure callback runs before the
+        channel sends its queue). With nothing queued they wait for the next request like
+        any hold. A hold whose HIT no longer needs the slot is undone instead: the store
+        may have taken the lost call.
         """
         if not failed.hold or failed.epoch != self._epoch:
             return
@@ -100,16 +121,12 @@ class ReplyInbox(ManagerState):
                 holds.append((key, slot))
             else:
                 unpins.append(slot)
-        self._channel.submit(
-            StepRequest(
-                holder=self.holder,
-                namespace=self.namespace,
-                epoch=self._epoch,
-                known_seq=self._seq,
-                hold=holds + self._take_holds(),
-                unpin=unpins,
-            )
-        )
+        amended = StepRequest(self.holder, self.namespace, epoch=self._epoch, hold=holds, unpin=unpins)
+        if not self._channel.amend(amended):
+            self._to_hold = holds + self._to_hold
+            self._out_unpin.extend(unpins)
+            for key, _ in holds:
+                self._pinned[key].recorded = False
 
     def _receive(self, entry: tuple[str, StepRequest, Any, float]) -> None:
         """Record an answer; apply it at once when no scheduling pass is open.
@@ -144,19 +161,11 @@ class ReplyInbox(ManagerState):
             self._reserve_target = min(self._reserve_target, reply.reserve_cap)
             self._reserve_cap = reply.reserve_cap
         for key, slot in reply.pinned.items():
-            promoted_from = self._promoted.pop(key, CPU)
-            if promoted_from != CPU:
-                self._counters["chunks_promoted"] += 1
-            waiters = self._pin_waiters.pop(key, set())
-            for req_id in waiters:  # so a request that ends before its next lookup lets go
-                self._req_keys.setdefault(req_id, set()).add(key)
             held = self._pinned.get(key)
             if held is None:
-                self._pinned[key] = Pin(
-                    slot, self._epoch, requests=set(waiters), promoted_from=promoted_from, promoted_for=frozenset(waiters)
-                )
+                self._pin_for_waiters(key, slot)
             else:
-                held.requests |= waiters
+                held.requests |= self._pin_waiters.pop(key, set())
                 if held.slot != slot:
                     self._out_unpin.append(slot)
         for key in reply.missing:

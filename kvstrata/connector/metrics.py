@@ -23,7 +23,7 @@ COUNTER_NAMES = {
     "pins_missed": "Chunks believed resident that were gone when the pin arrived (misses).",
     "chunks_promoted": "Hits that waited for the node store to bring the chunk from disk into the arena.",
     "control_failures": "Control calls to the node store that failed or timed out.",
-    "lookups_timed_out": "Lookups answered MISS because the chunk was not pinned within lookup_wait_seconds.",
+    "lookups_timed_out": "Lookups answered MISS because the store did not pin the chunk, or refresh a stale view, within lookup_wait_seconds.",
     "lookups_retried": "Lookups answered RETRY: the request waits a step for the store (promotion, a stale view).",
     "hits_without_round_trip": "Arena-resident chunks answered HIT at their first lookup, with no store call.",
     "holds_refused": "HITs whose pin the node store refused (never expected; each is logged).",

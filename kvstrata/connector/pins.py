@@ -101,7 +101,8 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             # Resident in the arena: HIT now, as vLLM's own CPU manager answers. The
             # pin goes out with the next control call, before this engine acknowledges
             # any later view; until then deferred slot reuse keeps the slot's bytes.
-            self._pinned[key] = Pin(slot, self._epoch, requests={req_id}, recorded=False)
+            # (A promotion this engine asked for may have reached the mirror first.)
+            self._pin_for_waiters(key, slot, recorded=False).requests.add(req_id)
             self._to_hold.append((key, slot))
             self._req_keys.setdefault(req_id, set()).add(key)
             self._note_used(key, req_context)
@@ -109,7 +110,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             return LookupResult.HIT
         if now - arrived > self._lookup_wait:
             # A slow promotion or a silent store must not hold the request: recompute.
-            if key in self._pin_waiters or key in self._mirror:
+            if key in self._pin_waiters or key in self._mirror or self._view_as_of < arrived - self._max_view_age:
                 self._counters["lookups_timed_out"] += 1
             return LookupResult.MISS
         waiters = self._pin_waiters.get(key)
@@ -246,6 +247,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             self._out_release.extend(self._storing.values())
             self._storing.clear()
             self._mirror.clear()
+            self._resident.clear()
             self._req_keys.clear()
             self._req_used.clear()
             self._purge_requested = True
