@@ -91,11 +91,14 @@ def local_ray(namespace: str) -> Iterator[None]:
 
 def crowd_out(pool, evict: int, holder: str = "another-engine") -> list[int]:
     """Another engine reserves every free slot a pool has or can still grow, and `evict`
-    more: that many least-recently-used chunks leave the arena. Returns its slots."""
+    more: that many least-recently-used chunks leave the arena. Returns its slots (the
+    evicted ones among them only where no engine watches the pool: with watchers, they
+    wait for the engines' next acknowledgement, deferred reuse)."""
     stats = pool.stats()
     wanted = stats["free"] + pool.max_slots - stats["slots"] + evict
     taken = pool.reserve(holder, wanted)
-    assert len(taken) == wanted, f"reserved {len(taken)} of {wanted} slots: too many pinned"
+    on_their_way = pool.stats()["awaiting_reuse"] - stats["awaiting_reuse"]
+    assert len(taken) + on_their_way == wanted, f"reserved {len(taken)} of {wanted} slots: too many pinned"
     return taken
 
 

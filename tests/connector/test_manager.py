@@ -190,7 +190,7 @@ def test_failed_store_drops_the_chunks(store_and_config):
     assert manager.counters()["stores_failed"] == 1
 
 
-def test_another_engine_gets_retry_then_hit_with_the_same_bytes(store_and_config):
+def test_another_engine_hits_at_once_with_the_same_bytes_and_no_store_call(store_and_config):
     store, cfg = store_and_config
     writer = make_manager(store, cfg, holder="writer")
     out = writer.prepare_store([key(1)], ctx())
@@ -201,14 +201,19 @@ def test_another_engine_gets_retry_then_hit_with_the_same_bytes(store_and_config
     step(writer)
 
     reader = make_manager(store, cfg, holder="reader")
-    assert reader.lookup(key(1), ctx()) is RETRY
-    assert reader.has_pending_work()
+    calls = reader._channel.calls
+    assert reader.lookup(key(1), ctx()) is HIT  # resident in the arena: as vLLM's CPU manager
     assert reader.lookup(key(2), ctx()) is MISS
-    step(reader)
-    assert reader.lookup(key(1), ctx()) is HIT
     spec = reader.prepare_load([key(1)], ctx())
+    assert reader._channel.calls == calls and not reader.has_pending_work()
     assert np.array_equal(pool.view(int(spec.block_ids[0])), payload)
+    assert reader.counters()["hits_without_round_trip"] == 1
+    step(reader)  # the hold reaches the store with the step's request
+    assert pool.stats()["holds"] == 1 and pool.stats()["pinned"] == 1
     reader.complete_load([key(1)], ctx())
+    reader.on_request_finished(ctx())
+    step(reader)
+    assert pool.stats()["pinned"] == 0
 
 
 def test_pins_are_released_when_requests_are_done(store_and_config):
@@ -259,9 +264,7 @@ def test_an_idle_engine_finds_chunks_stored_while_it_was_idle(store_and_config, 
     assert reader.lookup(key(1), ctx("late")) is RETRY
     assert reader.has_pending_work()
     step(reader)
-    assert reader.lookup(key(1), ctx("late")) is RETRY  # now known: pinning
-    step(reader)
-    assert reader.lookup(key(1), ctx("late")) is HIT
+    assert reader.lookup(key(1), ctx("late")) is HIT  # now known, and resident
     # With a fresh view, a cold key is a MISS at once, without another call.
     calls = reader._channel.calls
     assert reader.lookup(key(2), ctx("late")) is MISS
@@ -283,11 +286,12 @@ class HangingClient(LocalStoreClient):
 
 def test_a_request_waits_at_most_lookup_wait_seconds(store_and_config, clock):
     store, cfg = store_and_config
+    client = HangingClient(store)
+    reader = make_manager(store, cfg, holder="reader", client=client, clock=clock)
     writer = make_manager(store, cfg, holder="writer")
     store_keys(writer, [key(1)])
     step(writer)  # its own pin goes back
-    client = HangingClient(store)
-    reader = make_manager(store, cfg, holder="reader", client=client, clock=clock)
+    clock.advance(cfg.engine.max_view_age_seconds + 1)  # the reader's view predates key(1)
     client.release.clear()
     try:
         assert reader.lookup(key(1), ctx()) is RETRY
@@ -299,11 +303,10 @@ def test_a_request_waits_at_most_lookup_wait_seconds(store_and_config, clock):
         assert reader.counters()["lookups_timed_out"] == 1
     finally:
         client.release.set()
-    # The pin that arrives late is given back once the request is gone.
+    # The answer that arrives late serves the next request at once.
     assert reader.wait_idle(10)
     reader.on_request_finished(ctx())
-    step(reader)
-    assert store.arena.pools[reader.namespace].stats()["pinned"] == 0
+    assert reader.lookup(key(1), ctx("next")) is HIT
 
 
 def test_engines_with_different_layouts_never_share_chunks(store_and_config):
@@ -345,23 +348,49 @@ class FlakyClient(LocalStoreClient):
         return super().step(request)
 
 
-def test_store_failure_turns_retries_into_misses_and_recovers(store_and_config):
+def test_store_failure_turns_retries_into_misses_and_recovers(store_and_config, clock):
     store, cfg = store_and_config
+    client = FlakyClient(store)
+    reader = make_manager(store, cfg, holder="reader", client=client, clock=clock)
     writer = make_manager(store, cfg, holder="writer")
     store_keys(writer, [key(1)])
-    client = FlakyClient(store)
-    reader = make_manager(store, cfg, holder="reader", client=client)
+    clock.advance(cfg.engine.max_view_age_seconds + 1)  # the reader's view predates key(1)
     client.down = True
     assert reader.lookup(key(1), ctx()) is RETRY
     step(reader)
-    assert reader.lookup(key(1), ctx()) is MISS
+    assert reader.lookup(key(1), ctx()) is MISS  # no store: what it knows is all there is
     assert reader.counters()["control_failures"] >= 1
     client.down = False
     store_keys(writer, [key(2)])
+    clock.advance(cfg.engine.max_view_age_seconds + 1)
+    assert reader.lookup(key(2), ctx("later")) is RETRY
     step(reader)
-    assert reader.lookup(key(2), ctx()) is RETRY
+    assert reader.lookup(key(2), ctx("later")) is HIT
+
+
+def test_the_hold_of_a_hit_whose_call_failed_reaches_the_store_before_its_acknowledgement(store_and_config):
+    """A HIT answered from the mirror whose control call fails: its hold goes out again with
+    the next call, so the store pins the slot before it learns the engine saw anything newer."""
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])
+    step(writer)
+    client = FlakyClient(store)
+    reader = make_manager(store, cfg, holder="reader", client=client)
+    pool = store.arena.pools[reader.namespace]
+    assert reader.lookup(key(1), ctx()) is HIT
+    reader.prepare_load([key(1)], ctx())
+    client.down = True
+    reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    assert reader._channel.wait_idle(10)  # failed; its holds were queued again
+    assert pool.stats()["pinned"] == 0
+    client.down = False
     step(reader)
-    assert reader.lookup(key(2), ctx()) is HIT
+    assert pool.stats()["pinned"] == 1 and pool.stats()["holds"] >= 1
+    reader.complete_load([key(1)], ctx())
+    reader.on_request_finished(ctx())
+    step(reader)
+    assert pool.stats()["pinned"] == 0
 
 
 def test_store_restart_drops_old_state_and_serves_again(new_store):
@@ -437,15 +466,18 @@ def test_stats_report_declared_metrics(store_and_config):
     assert set(reduced) <= set(declared)
 
 
-def test_reply_received_during_the_forward_pass_serves_the_next_pass(store_and_config):
+def test_reply_received_during_the_forward_pass_serves_the_next_pass(store_and_config, clock):
     store, cfg = store_and_config
+    reader = make_manager(store, cfg, holder="reader", clock=clock)
     writer = make_manager(store, cfg, holder="writer")
     store_keys(writer, [key(1)])
-    reader = make_manager(store, cfg, holder="reader")
+    clock.advance(cfg.engine.max_view_age_seconds + 1)  # the reader's view predates key(1)
     assert reader.lookup(key(1), ctx()) is RETRY
     reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-    assert reader._channel.wait_idle(10)  # the reply is parked, not yet applied
-    assert reader.lookup(key(1), ctx()) is HIT  # first lookup of the next pass applies it
+    assert reader._channel.wait_idle(10)  # the reply came while no pass was open
+    calls = reader._channel.calls
+    assert reader.lookup(key(1), ctx()) is HIT  # the next pass is served from it
+    assert reader._channel.calls == calls
 
 
 def test_replies_are_not_applied_between_a_hit_and_its_prepare_load(store_and_config):

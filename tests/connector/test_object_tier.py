@@ -138,11 +138,13 @@ def test_chunks_already_in_the_bucket_are_not_stored_again(env):
 
 def test_write_back_uploads_what_the_arena_evicts(env):
     new_store, new_manager = env
-    store, cfg = new_store("a", slots=4, reserve_slots=1, write_policy="write_back")
+    # A stock of two (a slot evicted for a refill is reusable one step later: deferred
+    # reuse), within the cap of a quarter of the arena.
+    store, cfg = new_store("a", slots=8, reserve_slots=2, write_policy="write_back")
     manager = new_manager(store, cfg)
     first = store_chunks(store, manager, [key(0)])
     assert store.stats()["object"]["puts"] == 0  # nothing evicted yet
-    for i in range(1, 8):
+    for i in range(1, 16):
         store_chunks(store, manager, [key(i)], seed=i)
         step(manager, store)
     assert store.arena.pools[manager.namespace].lookup(key(0)) is None
@@ -169,24 +171,26 @@ def test_a_corrupt_object_is_a_miss_and_counted(env):
 
 def test_an_unreachable_store_drops_uploads_misses_loads_and_recovers(env, clock):
     new_store, new_manager = env
-    store, cfg = new_store("a", slots=4, reserve_slots=1, backoff_max_seconds=0.05)
+    # A stock of two (a slot evicted for a refill is reusable one step later: deferred
+    # reuse), within the cap of a quarter of the arena.
+    store, cfg = new_store("a", slots=8, reserve_slots=2, backoff_max_seconds=0.05)
     manager = new_manager(store, cfg)
     assert store.wait_io(10)  # the first sweep is done: the outage starts with the uploads
     switch = SwitchableFS.install(store.object)
     switch.down = True
     store_chunks(store, manager, [key(0)])
-    for i in range(1, 8):  # push key(0) out of the arena: it was never uploaded
+    for i in range(1, 16):  # push key(0) out of the arena: it was never uploaded
         store_chunks(store, manager, [key(i)], seed=i)
     stats = store.stats()
     assert stats["object"]["put_failures"] >= 1
-    assert stats["object"]["put_failures"] + stats["object_uploads_dropped"] + stats["object"]["skipped_while_paused"] >= 8
+    assert stats["object"]["put_failures"] + stats["object_uploads_dropped"] + stats["object"]["skipped_while_paused"] >= 16
     assert load(store, manager, [key(0)]) == [MISS]
     switch.down = False
     clock.advance(1)  # past the (at most 0.05 s) pause
     assert store.object.available()
     data = store_chunks(store, manager, [key(50)], seed=50)
     assert store.stats()["object"]["puts"] >= 1
-    for i in range(51, 58):
+    for i in range(51, 66):
         store_chunks(store, manager, [key(i)], seed=i)
     assert np.array_equal(load(store, manager, [key(50)], req="again")[key(50)], data[key(50)])
 
