@@ -105,12 +105,7 @@ class RayStoreClient:
             raise StoreUnavailable(f"node store is down ({type(exc).__name__})") from None
 
     def register(
-        self,
-        holder: str,
-        namespace: str,
-        slot_bytes: int,
-        layout: Mapping[str, object] | None = None,
-        watch: bool = False,
+        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None, watch: bool = False
     ) -> Registration:
         return self._call("register", holder, namespace, slot_bytes, layout, watch)
 

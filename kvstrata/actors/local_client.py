@@ -26,12 +26,7 @@ class LocalStoreClient:
         self.store = store
 
     def register(
-        self,
-        holder: str,
-        namespace: str,
-        slot_bytes: int,
-        layout: Mapping[str, object] | None = None,
-        watch: bool = False,
+        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None, watch: bool = False
     ) -> Registration:
         return self.store.register(holder, namespace, slot_bytes, layout, watch)
 

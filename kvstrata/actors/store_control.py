@@ -50,12 +50,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         return self.arena.epoch
 
     def register(
-        self,
-        holder: str,
-        namespace: str,
-        slot_bytes: int,
-        layout: Mapping[str, object] | None = None,
-        watch: bool = False,
+        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None, watch: bool = False
     ) -> Registration:
         """Open (or create) the pool of a namespace for an engine and start its lease.
 
