@@ -122,8 +122,10 @@ def test_two_engines_share_chunks_through_the_actor(store):
         writer.complete_store(out.keys_to_store, ReqContext(req_id="w"))
         step(writer)
         step(reader)
+        calls = reader._channel.calls
         assert reader.lookup(key(1), ReqContext(req_id="r")) is LookupResult.HIT  # at once, from its mirror
         assert reader.lookup(key(3), ReqContext(req_id="r")) is LookupResult.MISS
+        assert reader._channel.calls == calls and reader.counters()["hits_without_round_trip"] == 1
         step(reader)  # the hold reaches the store through Ray
         assert ray.get(handle.stats.remote())["pools"][reader.namespace]["holds"] == 1
     finally:

@@ -163,10 +163,16 @@ def test_an_unusable_disk_path_leaves_the_arena_serving(env, tmp_path):
     store, cfg = make_store(disk={"path": str(blocker / "disk"), "capacity": 1 << 20})
     assert "not a writable directory" in store.stats()["disk"]["error"]
     manager = make_manager(store, cfg)
-    store_chunks(store, manager, [key(1)])
-    assert manager.lookup(key(1), ctx()) is HIT  # the arena serves on its own
-    step(manager)
-    assert store.arena.pools[manager.namespace].stats()["holds"] == 1
+    data = store_chunks(store, manager, [key(1)])
+    calls = manager._channel.calls
+    assert manager.lookup(key(1), ctx()) is HIT  # the arena serves on its own, with no store call
+    spec = manager.prepare_load([key(1)], ctx())
+    assert manager._channel.calls == calls
+    pool = store.arena.pools[manager.namespace]
+    assert np.array_equal(pool.view(int(spec.block_ids[0])), data[key(1)])
+    step(manager)  # the load is in flight: its hold reaches the store
+    assert pool.stats()["holds"] == 1
+    manager.complete_load([key(1)], ctx())
     assert store.stats()["disk_writes_queued"] == 0
 
 
