@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 from kvstrata.keys import Layout, make_key
@@ -65,7 +66,7 @@ def store_config(
 
 
 @contextlib.contextmanager
-def local_ray(namespace: str) -> Iterator[None]:
+def local_ray(namespace: str, **init_kwargs: Any) -> Iterator[None]:
     """A local Ray cluster on loopback for one test module; always shut down.
 
     RAY_ADDRESS points engine processes spawned meanwhile at this cluster: with
@@ -76,7 +77,9 @@ def local_ray(namespace: str) -> Iterator[None]:
     import ray
 
     # address="local": always a new cluster, never one another process left on the machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False, **init_kwargs
+    )
     previous = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     try:

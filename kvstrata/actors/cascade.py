@@ -17,6 +17,8 @@ store holds beyond its own uploads (object_index.py).
 
 from __future__ import annotations
 
+import time
+
 from kvstrata.actors.disk_jobs import submit_disk_jobs
 from kvstrata.actors.store_state import StoreState, logger
 from kvstrata.tiers.arena import SlotPool
@@ -99,9 +101,11 @@ class Cascade(StoreState):
         return len(accepted)
 
     def _write_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        started = time.perf_counter()
         try:
             # The slots are pinned by the cascade: their bytes are stable while we write.
-            self.disk.write_many(namespace, [(key, pool.view(slot)) for key, slot in items])
+            written = sum(self.disk.write_many(namespace, [(key, pool.view(slot)) for key, slot in items]))
+            self.io_meter.record("disk", "write", written * pool.geometry.slot_bytes, written, time.perf_counter() - started)
         except Exception:  # noqa: BLE001 - a failed cascade is a lost copy, never a dead store
             logger.exception("kvstrata node store: disk write of %d chunks failed", len(items))
         finally:
@@ -135,11 +139,13 @@ class Cascade(StoreState):
         return len(accepted)
 
     def _upload_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        started = time.perf_counter()
         try:
             ok = self.object.put_many(namespace, [(key, pool.view(slot)) for key, slot in items])
         except Exception:  # noqa: BLE001 - a failed upload is a lost copy, never a dead store
             logger.exception("kvstrata node store: upload of %d chunks failed", len(items))
             ok = [False] * len(items)
+        self.io_meter.record("object", "write", sum(ok) * pool.geometry.slot_bytes, sum(ok), time.perf_counter() - started)
         log = self._log(namespace)
         for (key, _), uploaded in zip(items, ok):
             if uploaded:

@@ -25,14 +25,17 @@ class StoreUnavailable(RuntimeError):
     """The node store (or the Ray cluster) cannot be reached."""
 
 
-def join_cluster(address: str = "auto") -> None:
-    """Connect this process to the Ray cluster unless it already is connected."""
+def join_cluster(address: str = "auto", logging_level: int = logging.INFO) -> None:
+    """Connect this process to the Ray cluster unless it already is connected.
+
+    `logging_level`: Ray's own log lines in this process (the CLI passes WARNING: its
+    output is kvstrata's answer, not Ray's connection chatter)."""
     import ray
 
     if ray.is_initialized():
         return
     try:
-        ray.init(address=address, namespace=STORE_NAMESPACE, log_to_driver=False)
+        ray.init(address=address, namespace=STORE_NAMESPACE, log_to_driver=False, logging_level=logging_level)
     except ConnectionError as exc:
         raise StoreUnavailable(
             f"kvstrata needs a running Ray cluster on this node and found none at address "
@@ -71,6 +74,22 @@ def get_node_store(node_id: str | None = None) -> Any:
         return ray.get_actor(store_actor_name(node_id), namespace=STORE_NAMESPACE)
     except ValueError:
         raise StoreUnavailable(f"no kvstrata node store on node {node_id}; run `kvstrata up`") from None
+
+
+def named_actors(prefix: str) -> dict[str, Any]:
+    """Live kvstrata actors whose name starts with `prefix`, by the rest of their name
+    (node ids for stores, shard numbers for the directory)."""
+    import ray
+    from ray.util import list_named_actors
+
+    found: dict[str, Any] = {}
+    for actor in list_named_actors(all_namespaces=True):
+        if actor["namespace"] == STORE_NAMESPACE and actor["name"].startswith(prefix):
+            try:
+                found[actor["name"][len(prefix) :]] = ray.get_actor(actor["name"], namespace=STORE_NAMESPACE)
+            except ValueError:
+                pass  # ended between the listing and the lookup
+    return found
 
 
 def shutdown_node_store(handle: Any, timeout_s: float = 30.0) -> None:

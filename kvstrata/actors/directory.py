@@ -60,6 +60,12 @@ class DirectoryShard:
         self._lock = threading.Lock()
         # One change log per namespace; its "medium" is the holder: "<node id>/<tier>".
         self._logs: dict[str, ChangeLog] = {}
+        self._metrics = None
+        if _in_ray_actor():
+            from kvstrata.actors.store_metrics import MetricsExporter, directory_samples
+
+            name = f"kvstrata-directory-{shard}-metrics"
+            self._metrics = MetricsExporter(lambda: directory_samples(self.stats()), name=name).start()
 
     def ping(self) -> str:
         return self.epoch
@@ -112,6 +118,12 @@ class DirectoryShard:
                 "epoch": self.epoch,
                 "namespaces": {ns: len(log.snapshot()[1]) for ns, log in self._logs.items()},
             }
+
+
+def _in_ray_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def directory_shard(shard: int) -> Any:

@@ -47,16 +47,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstrata.actors.directory import directory_shard
+from kvstrata.actors.io_meter import IoMeter
 from kvstrata.actors.local_client import LocalStoreClient
 from kvstrata.actors.options import node_tag
 from kvstrata.actors.peers import PeerSync
 from kvstrata.actors.store_control import StoreControl
+from kvstrata.actors.store_metrics import MetricsExporter, metric_samples
+from kvstrata.actors.store_report import store_report
 from kvstrata.actors.store_state import logger
 from kvstrata.config import KvstrataConfig, load_config
 from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.changelog import CPU, STORAGE
 from kvstrata.tiers.disk import DiskTier, DiskTierError
 from kvstrata.tiers.object_store import ObjectTier
+
+PROMOTION_SOURCES = ("disk", "peer", "object")
 
 # What tests, benchmarks and `client` import from here.
 __all__ = ["LocalStoreClient", "NodeStore", "freeze_startup_heap"]
@@ -94,11 +99,13 @@ class NodeStore(StoreControl):
             "disk_writes_dropped": 0,
             "object_uploads_queued": 0,
             "object_uploads_dropped": 0,
-            "object_promotions": 0,
             "engine_pins": 0,  # chunks pinned for engines to load: what kvstrata served
-            "peer_promotions": 0,  # chunks brought from another node's store
+            "pins_missing": 0,  # chunks engines asked for that no tier could bring
+            # Promotions by source: disk, another node's store (peer), the object store.
+            **{f"{source}_{what}": 0 for source in PROMOTION_SOURCES for what in ("promotions", "promotion_failures")},
             "chunks_exported": 0,  # chunks handed to another node's store
         }
+        self.io_meter = IoMeter(clock)
         self._clock = clock
         # Each part's own state (see its module).
         self._init_cascade()
@@ -122,8 +129,10 @@ class NodeStore(StoreControl):
         if self.config.cluster is not None and _in_ray():
             self.peers = PeerSync(node_id, self.config.cluster, lambda: dict(self._logs), directory_shard).start()
             self._peer_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peer-fetch")
+        self._metrics = None
         if _in_ray_actor():
             freeze_startup_heap()
+            self._metrics = MetricsExporter(lambda: metric_samples(self.stats()), name="kvstrata-store-metrics").start()
         logger.info(
             "kvstrata node store up on node %s (pid %d, epoch %s, cpu capacity %d bytes, disk %s, object %s, peers %s)",
             node_id,
@@ -202,7 +211,22 @@ class NodeStore(StoreControl):
                 "writes_pending": self._writes_pending,
                 "gc_frozen_objects": gc.get_freeze_count(),
                 **self.counters,
+                "report": store_report(self),
             }
+
+    def check_tiers(self) -> dict[str, str]:
+        """Configured tiers that are not working now, with why (`kvstrata up` reports them).
+
+        The disk tier's opening error; for the object store a write-and-delete probe of
+        its root (two requests, bounded by the tier's deadlines)."""
+        problems: dict[str, str] = {}
+        if self.config.tiers.disk is not None and self.disk is None:
+            problems["disk"] = str(self.disk_error)
+        if self.object is not None:
+            why = self.object.probe(node_tag(self.node_id))
+            if why is not None:
+                problems["object"] = why
+        return problems
 
     def wait_io(self, timeout_s: float = 30.0) -> bool:
         """Wait until no disk write or promotion is in flight (tests, tools, benchmarks)."""
@@ -214,6 +238,8 @@ class NodeStore(StoreControl):
 
     def close(self) -> None:
         """Unlink the arena; disk records stay for the next store. For taking the store down on purpose."""
+        if self._metrics is not None:
+            self._metrics.close()
         if self.peers is not None:
             self.peers.close()
             self._peer_io.shutdown(wait=True)

@@ -17,6 +17,7 @@ Must not: copy arena chunks out to the tiers (cascade.py) or sweep the object st
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 from kvstrata.actors.disk_jobs import submit_disk_jobs
@@ -83,6 +84,7 @@ class Promotion(StoreState):
     def _promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         """Read a batch; it is committed when its last piece is verified, on a digest thread,
         while this I/O thread already reads the next batch."""
+        started = time.perf_counter()
 
         def finish(reads: Future[list[bool]] | None) -> None:
             try:
@@ -90,7 +92,7 @@ class Promotion(StoreState):
             except Exception:  # noqa: BLE001
                 logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
                 ok = [False] * len(items)
-            self._finish_promotions(namespace, pool, items, ok)
+            self._finish_promotions("disk", namespace, pool, items, ok, time.perf_counter() - started)
 
         try:
             reads = self.disk.start_reads(namespace, [(key, pool.view(slot)) for key, slot in items])
@@ -101,16 +103,16 @@ class Promotion(StoreState):
         reads.add_done_callback(finish)
 
     def _peer_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        started = time.perf_counter()
         try:
             ok = self.peers.fetch(namespace, pool, items, self._log(namespace))
         except Exception:  # noqa: BLE001
             logger.exception("kvstrata node store: peer fetch of %d chunks failed", len(items))
             ok = [False] * len(items)
-        with self._lock:
-            self.counters["peer_promotions"] += sum(ok)
-        self._finish_promotions(namespace, pool, items, ok)
+        self._finish_promotions("peer", namespace, pool, items, ok, time.perf_counter() - started)
 
     def _object_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+        started = time.perf_counter()
         try:
             ok = self.object.get_many(namespace, [(key, pool.view(slot)) for key, slot in items])
         except Exception:  # noqa: BLE001
@@ -120,14 +122,14 @@ class Promotion(StoreState):
         for (key, _), fetched in zip(items, ok):
             if not fetched and self.object.available():
                 log.record(key, OBJECT, False)  # absent or corrupt, not just unreachable
-        with self._lock:
-            self.counters["object_promotions"] += sum(ok)
-        self._finish_promotions(namespace, pool, items, ok)
+        self._finish_promotions("object", namespace, pool, items, ok, time.perf_counter() - started)
 
     def _finish_promotions(
-        self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], ok: list[bool]
+        self, source: str, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], ok: list[bool], seconds: float
     ) -> None:
+        """Commit what arrived from `source` (disk, peer, object), release the rest, count both."""
         promoted = [(slot, key) for (key, slot), arrived in zip(items, ok) if arrived]
+        self.io_meter.record(source, "read", len(promoted) * pool.geometry.slot_bytes, len(promoted), seconds)
         with self._lock:
             self._promoting.difference_update((namespace, key) for key, _ in items)
             _, refused = pool.commit_many(PROMOTE, promoted)
@@ -137,4 +139,6 @@ class Promotion(StoreState):
             pool.release(PROMOTE, [slot for (_, slot), arrived in zip(items, ok) if not arrived])
             self.counters["promotions"] += len(promoted)
             self.counters["promotion_failures"] += len(items) - len(promoted)
+            self.counters[f"{source}_promotions"] += len(promoted)
+            self.counters[f"{source}_promotion_failures"] += len(items) - len(promoted)
             self._io_done.notify_all()

@@ -117,6 +117,8 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             promoting = self._promote(namespace, pool, [key for key in request.pin if key not in pinned])
             pending = [key for key in request.pin if promoting.get(key)]
             missing = [key for key in request.pin if promoting.get(key) is False]
+            self.counters["pins_missing"] += len(missing)
+            self._meter_engine_io(pool, len(request.hold) - len(refused) + len(pinned), len(committed))
             reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
             # The engine keeps its stock at or under the cap; slots it is still writing
             # are not counted, so a busy engine's refill is never refused.
@@ -190,6 +192,15 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             self.arena.release_holder(holder)
 
     # --- internals -----------------------------------------------------------------------
+
+    def _meter_engine_io(self, pool: SlotPool, served: int, committed: int) -> None:
+        """The arena's traffic as the store sees it: chunks handed to engines to load
+        (holds and pins) and chunks engines stored; their workers do the copies."""
+        slot_bytes = pool.geometry.slot_bytes
+        if served:
+            self.io_meter.record("cpu", "read", served * slot_bytes, served)
+        if committed:
+            self.io_meter.record("cpu", "write", committed * slot_bytes, committed)
 
     @staticmethod
     def _slots_of(pool: SlotPool, changes: list[tuple[bytes, str, bool]]) -> dict[bytes, int]:

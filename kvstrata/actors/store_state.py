@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kvstrata.actors.io_meter import IoMeter
 from kvstrata.actors.peers import PeerSync
 from kvstrata.config import KvstrataConfig
 from kvstrata.tiers.arena import Arena
@@ -47,6 +48,7 @@ class StoreState:
     _logs: dict[str, ChangeLog]  # namespace -> where its chunks are (CPU, STORAGE, OBJECT, PEER)
     layouts: dict[str, dict[str, object]]
     counters: dict[str, int]
+    io_meter: IoMeter  # bytes, chunks and seconds each tier moved (status, metrics)
     _clock: Callable[[], float]
     _io_done: threading.Condition  # on `_lock`; notified whenever I/O in flight ends
     disk: DiskTier | None  # None: no disk tier configured, or it failed to open (`disk_error`)

@@ -344,6 +344,10 @@ class SlotPool:
             removed += 1
         return removed
 
+    def holdings(self, holder: str) -> tuple[int, int]:
+        """(slots `holder` pins, free slots reserved for it): what status shows per engine."""
+        return len(self._held.get(holder, ())), sum(1 for owner in self._reserved.values() if owner == holder)
+
     def stats(self) -> dict[str, int]:
         return {
             "slots": self.num_slots,

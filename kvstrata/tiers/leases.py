@@ -39,3 +39,8 @@ class LeaseTable:
 
     def holders(self) -> list[str]:
         return list(self._deadlines)
+
+    def remaining(self) -> dict[str, float]:
+        """Seconds left on each live lease (for status; expiry is `take_expired`'s job)."""
+        now = self._clock()
+        return {holder: max(0.0, deadline - now) for holder, deadline in self._deadlines.items()}

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -59,6 +60,8 @@ from kvstrata.tiers.records import HEADER_BYTES, record_matches, seal_header
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# How S3 servers (and SDK errors quoting them) say "too many requests": SlowDown, 503, 429.
+THROTTLE_SIGNS = re.compile(r"SlowDown|Throttl|TooManyRequests|RequestLimitExceeded|\b503\b|\b429\b")
 S3_PROTOCOLS = ("s3", "s3a")
 # storage_options entries whose values must never appear in a log line or an error.
 SECRET_OPTIONS = ("key", "secret", "token", "password", "username", "aws_access_key_id",
@@ -209,6 +212,8 @@ class ObjectTier:
             "expired": 0,
             "evicted": 0,
             "evicted_with_anchor": 0,
+            "backoffs": 0,  # failures that paused (or kept pausing) the tier
+            "throttled": 0,  # failures that were the server saying "slow down" (503/429)
         }
         # namespace -> its full-attention groups (see `Positions`), as engines tell them
         self._anchor_groups: dict[str, frozenset[int]] = {}
@@ -381,6 +386,18 @@ class ObjectTier:
     def available(self) -> bool:
         return self._clock() >= self._paused_until
 
+    def probe(self, name: str) -> str | None:
+        """Write and delete one small object under the root: None if both worked, else why
+        (credentials scrubbed). For `kvstrata up`, which must say when the store cannot
+        reach or write the bucket instead of finding out at the first upload."""
+        path = f"{self.root}/.kvstrata-probe-{name}"
+        try:
+            self.fs.pipe_file(path, b"kvstrata probe", **self._deadline)
+            self.fs.rm_file(path, **self._deadline)
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer
+            return self._scrub(f"{self.config.url}: {type(exc).__name__}: {exc or 'no answer before the deadline'}")
+        return None
+
     def stats(self) -> dict[str, object]:
         with self._lock:
             return {
@@ -504,6 +521,8 @@ class ObjectTier:
     def _failed(self, what: str, exc: Exception) -> None:
         reason = self._scrub(f"{type(exc).__name__}: {exc or 'no answer before the deadline'}")
         with self._lock:
+            self.counters["backoffs"] += 1
+            self.counters["throttled"] += bool(THROTTLE_SIGNS.search(reason))
             first = self._backoff == 0.0
             self._backoff = min(self.config.backoff_max_seconds, max(1.0, self._backoff * 2))
             pause = self._backoff * random.uniform(0.5, 1.0)

@@ -158,7 +158,7 @@ def test_cli_status_purge_and_down(store, capsys):
     from kvstrata.cli import main
 
     handle, cfg = store
-    assert main(["status"]) == 0
+    assert main(["status", "--json"]) == 0
     status = capsys.readouterr().out
     assert '"epoch"' in status and '"capacity"' in status
     assert main(["purge"]) == 0

@@ -1,0 +1,227 @@
+"""`kvstrata` command: start, inspect, measure, purge and take down the node stores.
+
+    kvstrata up --config configs/local.yaml     # this node's store; checks every configured tier
+    kvstrata up --config configs/multinode.yaml # with a `cluster` section: a store on every
+                                                # node, the directory and the reconciler
+    kvstrata status [--node ID] [--json] [--watch [S]]   # tables per node and tier
+    kvstrata bench --config configs/local.yaml  # tier throughput on this node, beside references
+    kvstrata purge [--namespace NS]             # drop chunks (pinned ones go when unpinned)
+    kvstrata down [--config ...]                # unlink the arena and end the store (with a
+                                                # `cluster` section: every store, the directory)
+
+Exit codes: 0 done; 1 `up` found a configured tier that cannot work (unless
+`--allow-degraded`); 2 bad config or no store / no Ray cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from kvstrata.config import ConfigError, KvstrataConfig, load_config
+
+STATUS_TIMEOUT_SECONDS = 10.0
+PIPED_WIDTH = 200
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstrata", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: the config's, else auto)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, description: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=description, description=description)
+
+    up = command(
+        "up",
+        "Ensure this node's store (or, with a `cluster` section, every node's, the directory and the "
+        "reconciler), then check every configured tier: a tier that cannot work is named with its "
+        "reason and the exit code is 1.",
+    )
+    up.add_argument("--config", default=None, help="YAML tier config (default: built-in local config)")
+    up.add_argument("--allow-degraded", action="store_true", help="exit 0 even if a configured tier cannot work")
+    status = command(
+        "status",
+        "Per node and tier: capacity, use, chunks, hits and misses, GB/s over the last minute, "
+        "errors, namespaces with their models, engines with leases and pins. Every node when a "
+        "cluster directory exists, else this node.",
+    )
+    status.add_argument("--node", default=None, help="only this Ray node id")
+    status.add_argument("--json", action="store_true", help="the stores' raw stats as JSON (machine-readable)")
+    status.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )  # fmt: skip
+    bench = command(
+        "bench",
+        "Measure write and read throughput of the configured tiers on this node, each beside a "
+        "reference measured in the same run (memcpy, raw disk, raw object client), on scratch "
+        "space it removes afterwards.",
+    )
+    bench.add_argument("--config", default=None, help="YAML tier config (default: built-in local config)")
+    _add_bench_arguments(bench)
+    purge = command("purge", "Drop stored chunks from every tier of this node's store (pinned ones go when unpinned).")
+    purge.add_argument("--namespace", default=None, help="only this layout namespace")
+    down = command("down", "Unlink the arena and end this node's store (with a `cluster` section: every store and the directory).")
+    down.add_argument("--config", default=None, help="YAML tier config; with a `cluster` section, take all down")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: one line per table row, for grep
+        console = Console(width=PIPED_WIDTH)
+    from kvstrata.actors.client import StoreUnavailable, join_cluster
+
+    try:
+        config = load_config(getattr(args, "config", None))
+        if args.command == "bench":
+            return _bench(config, console, args)
+        join_cluster(args.address or config.ray.address, logging_level=logging.WARNING)
+        if args.command == "up":
+            return _up(config, console, args.allow_degraded)
+        if args.command == "status":
+            return _status(console, args)
+        return _purge_or_down(config, console, args)
+    except (ConfigError, StoreUnavailable) as exc:
+        print(f"kvstrata: {exc}", file=sys.stderr)  # one unwrapped line, whatever the terminal
+        return 2
+
+
+def _up(config: KvstrataConfig, console: Console, allow_degraded: bool) -> int:
+    import ray
+
+    from kvstrata.actors.client import ensure_node_store, named_actors
+    from kvstrata.actors.options import STORE_NAME_PREFIX
+
+    if config.cluster is not None:
+        from kvstrata.actors.cluster import up
+
+        placed = up(config)
+        console.print(f"kvstrata up on {len(placed['nodes'])} nodes, {placed['directory_shards']} directory shards")
+        stores = named_actors(STORE_NAME_PREFIX)
+    else:
+        store = ensure_node_store(config)
+        stores = {ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS)["node_id"]: store}
+    problems = 0
+    for node_id, store in sorted(stores.items()):
+        found = ray.get(store.check_tiers.remote(), timeout=STATUS_TIMEOUT_SECONDS + 60)
+        stats = ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS)
+        console.print(f"node store up on node {node_id} (pid {stats['pid']}, epoch {stats['epoch']})", highlight=False)
+        for line, ok in _tier_lines(config, found):
+            console.print(f"  [{'green' if ok else 'bold red'}]{'ok ' if ok else 'FAILED'}[/] {line}", highlight=False)
+        problems += len(found)
+    if problems and not allow_degraded:
+        console.print(
+            f"[bold red]{problems} configured tier(s) cannot work[/]; the store serves without them. "
+            "Fix the config (or pass --allow-degraded to accept this).",
+            highlight=False,
+        )
+        return 1
+    return 0
+
+
+def _tier_lines(config: KvstrataConfig, problems: dict[str, str]) -> list[tuple[str, bool]]:
+    tiers = config.tiers
+    lines = [(f"cpu arena: {tiers.cpu.capacity:,} bytes in {tiers.cpu.shm_dir}", True)]
+    if tiers.disk is not None:
+        where = f"disk: {tiers.disk.path} ({tiers.disk.capacity:,} bytes, {tiers.disk.write_policy})"
+        lines.append((f"{where}: {problems['disk']}" if "disk" in problems else where, "disk" not in problems))
+    if tiers.object is not None:
+        where = f"object store: {tiers.object.write_policy}, written and read back a probe object"
+        lines.append((f"object store: {problems['object']}" if "object" in problems else where, "object" not in problems))
+    return lines
+
+
+def _status(console: Console, args: argparse.Namespace) -> int:
+    from kvstrata.cli.status_view import render_status
+
+    if args.watch is None:
+        stores, shards = _gather(args.node)
+        if args.json:
+            print(json.dumps(stores if len(stores) != 1 else stores[0], indent=2, default=str))
+        else:
+            console.print(render_status(stores, shards))
+        return 0
+    from rich.live import Live
+
+    with Live(console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                stores, shards = _gather(args.node)
+                live.update(render_status(stores, shards), refresh=True)
+                _wait(args.watch)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _gather(node: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Stats of the stores to show (one node, every node when a directory exists, else
+    this node's) and of the directory shards."""
+    import ray
+
+    from kvstrata.actors.client import get_node_store, named_actors
+    from kvstrata.actors.directory import DIRECTORY_NAME_PREFIX
+    from kvstrata.actors.options import STORE_NAME_PREFIX
+
+    shards = named_actors(DIRECTORY_NAME_PREFIX)
+    if node is not None:
+        stores = {node: get_node_store(node)}
+    elif shards:
+        stores = named_actors(STORE_NAME_PREFIX)
+    else:
+        stores = {"this node": get_node_store()}
+    stats = [ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS) for _, store in sorted(stores.items())]
+    directory = [ray.get(shard.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS) for shard in shards.values()]
+    return stats, directory
+
+
+def _wait(seconds: float) -> None:
+    import threading
+
+    threading.Event().wait(seconds)  # a refresh period, not synchronisation
+
+
+def _bench(config: KvstrataConfig, console: Console, args: argparse.Namespace) -> int:
+    from kvstrata.bench import run_bench
+
+    return run_bench(config, console, args)
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    try:
+        from kvstrata.bench import add_bench_arguments
+    except ImportError:
+        return
+    add_bench_arguments(parser)
+
+
+def _purge_or_down(config: KvstrataConfig, console: Console, args: argparse.Namespace) -> int:
+    import ray
+
+    from kvstrata.actors.client import get_node_store, shutdown_node_store
+
+    if args.command == "purge":
+        console.print(f"purged {ray.get(get_node_store().purge.remote(args.namespace))} chunks")
+    elif config.cluster is not None:
+        from kvstrata.actors.cluster import down
+
+        down(config)
+        console.print("kvstrata down on every node")
+    else:
+        shutdown_node_store(get_node_store())
+        console.print("kvstrata node store down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
