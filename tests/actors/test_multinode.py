@@ -86,6 +86,25 @@ def test_up_places_one_store_per_node(cluster):
         assert stats["node_id"] == node_id(sim_node) and stats["peers"] is not None, name
 
 
+def test_status_shows_every_node_and_the_directory_and_peer_hits(cluster, capsys):
+    from kvstrata.cli import main
+
+    _, nodes, _ = cluster
+    writer, reader = probe(nodes["a"], "status-writer-a"), probe(nodes["b"], "status-reader-b")
+    keys = [key(300 + i) for i in range(3)]  # keys no other test of the module stores
+    stored_and_known(writer, reader, keys, 7, what="node B learning node A's chunks")
+    ray.get(reader.load_chunks.remote(keys))
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"node {node_id(n)}" in out for n in nodes.values()), out
+    assert "cluster directory" in out and NS in out
+    assert main(["status", "--json", "--node", node_id(nodes["b"])]) == 0
+    import json
+
+    peer = json.loads(capsys.readouterr().out)["report"]["tiers"]["peer"]
+    assert peer["state"] == "on" and peer["hits"] >= 3 and peer["read_bytes"] >= 3 * SLOT
+
+
 def test_chunks_stored_on_one_node_are_loaded_on_another_bit_exact(cluster):
     _, nodes, _ = cluster
     writer, reader = probe(nodes["a"], "writer-a"), probe(nodes["c"], "reader-c")

@@ -162,3 +162,19 @@ def test_up_names_a_configured_tier_that_cannot_work_and_exits_1(metrics_port, t
         assert main(["up", "--allow-degraded", "--config", str(path)]) == 0
     finally:
         shutdown_node_store(get_node_store())
+
+
+def test_status_watch_redraws_until_interrupted(store, capsys, monkeypatch):
+    import kvstrata.cli as cli
+
+    redraws = []
+
+    def interrupt_after_two(seconds: float) -> None:
+        redraws.append(seconds)
+        if len(redraws) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_wait", interrupt_after_two)
+    assert cli.main(["status", "--watch", "0.5"]) == 0
+    assert redraws == [0.5, 0.5]
+    assert "cpu arena" in capsys.readouterr().out
