@@ -97,7 +97,7 @@ def _disk_report(store: StoreState) -> TierReport:
         "state": "on" if stats["admitting"] else "paused",
         **({} if stats["admitting"] else {"reason": "not admitting writes (disk full or failing)"}),
         "capacity": stats["capacity"],
-        "used": stats["allocated"],
+        "used": stats["stored_bytes"],
         "chunks": sum(stats["resident"].values()),
         "hits": counters["disk_promotions"],
         "misses": counters["disk_promotion_failures"],

@@ -29,7 +29,7 @@ import numpy as np
 from kvstrata.keys import key_name
 from kvstrata.tiers.disk.index import SlabIndex
 from kvstrata.tiers.disk.reads import read_batch
-from kvstrata.tiers.disk.slab import _aligned_buffer
+from kvstrata.tiers.disk.slab import _aligned_buffer, record_disk_bytes
 from kvstrata.tiers.disk.staging import DIGEST_THREADS, _SpareBuffers
 from kvstrata.tiers.disk.writes import write_batch
 from kvstrata.tiers.policies import make_policy
@@ -262,7 +262,9 @@ class DiskTier(SlabIndex):
             return {
                 "path": str(self.root),
                 "capacity": self.capacity,
-                "allocated": self._allocated,
+                "allocated": self._allocated,  # record space set aside in the slab files
+                # bytes the resident records take (what status calls `used`)
+                "stored_bytes": sum(len(slab.index) * record_disk_bytes(slab.payload_bytes) for slab in self._slabs.values()),
                 "admitting": self.admitting,
                 "direct_io": {ns: slab.direct for ns, slab in self._slabs.items()},
                 "resident": {ns: len(slab.index) for ns, slab in self._slabs.items()},
