@@ -178,3 +178,25 @@ def test_status_watch_redraws_until_interrupted(store, capsys, monkeypatch):
     assert cli.main(["status", "--watch", "0.5"]) == 0
     assert redraws == [0.5, 0.5]
     assert "cpu arena" in capsys.readouterr().out
+
+
+def test_the_command_prints_its_answer_and_no_ray_lines(store):
+    import subprocess
+    import sys
+
+    # RAY_ADDRESS (set by local_ray) points the child at this module's cluster.
+    done = subprocess.run([sys.executable, "-m", "kvstrata.cli", "status"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "cpu arena" in done.stdout and " INFO " not in done.stdout
+
+
+@pytest.mark.parametrize("command", ["up", "status", "bench", "purge", "down"])
+def test_every_subcommand_describes_itself_in_help(command, capsys):
+    from kvstrata.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    usage, _, description = capsys.readouterr().out.partition("\n\n")
+    assert f"kvstrata {command}" in usage and len(description.split("\n\n")[0]) > 40
