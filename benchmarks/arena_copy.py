@@ -9,7 +9,10 @@ what to compare.
 On the CPU the copy engine splits a large transfer over `--copy-threads` threads (the
 config's `engine.copy_threads`, default 2); the reference is one thread's memcpy.
 
-    python benchmarks/arena_copy.py [--layers 8] [--total-mib 512] [--device cpu|cuda] [--copy-threads 2]
+    python benchmarks/arena_copy.py [--layers 8] [--total-mib 512] [--device cpu|cuda] [--copy-threads 2] [--out DIR]
+
+Besides the printed table it writes arena_copy.csv, .md and .png (GB/s against chunk
+size, the reference beside kvstrata) into --out (benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 
 import numpy as np
 import torch
+from plotting import Line, Panel, Results, add_out_argument, run_title, write_results
 
 from kvstrata.connector.copy_engine import CopyEngine, GroupRef
 from kvstrata.tiers.arena import Arena
@@ -73,7 +77,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--copy-threads", type=int, default=2, help="CPU copy threads (engine.copy_threads)")
+    add_out_argument(parser)
     args = parser.parse_args()
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else ""
+    columns = ["chunk KiB", "store GB/s", "load GB/s", "ref store GB/s", "ref load GB/s", "store/ref", "load/ref"]
+    results = Results("arena_copy", run_title("arena_copy.py", args, extra=gpu), columns)
 
     print(
         f"device {args.device}, {args.layers} layers per chunk, {args.total_mib} MiB per measurement, "
@@ -129,6 +137,22 @@ def main() -> None:
             f"{size_kib:>6}KiB {gbps(store_s):>11.2f} {gbps(load_s):>10.2f} {gbps(ref_store_s):>10.2f} "
             f"{ref_store_s / store_s:>10.2f} {ref_load_s / load_s:>9.2f}"
         )
+        results.rows.append(
+            [size_kib, gbps(store_s), gbps(load_s), gbps(ref_store_s), gbps(ref_load_s), ref_store_s / store_s,
+             ref_load_s / load_s]
+        )  # fmt: skip
+        results.sizes_bytes.append(chunk_bytes)
+    if args.device == "cuda":
+        store_ref, load_ref = "torch pinned copy, device to host", "torch pinned copy, host to device"
+    else:
+        store_ref = load_ref = "numpy memcpy, 1 thread"
+    results.panels = [
+        Panel("store: KV cache -> arena slot", [
+            Line("kvstrata", results.column("store GB/s")), Line(store_ref, results.column("ref store GB/s"), True)]),
+        Panel("load: arena slot -> KV cache", [
+            Line("kvstrata", results.column("load GB/s")), Line(load_ref, results.column("ref load GB/s"), True)]),
+    ]  # fmt: skip
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ contiguous share of the file, `--per-call` records per call:
 Writes are cold (a freshly `posix_fallocate`d file, as a new slab) and warm (the same file
 again); reads follow the warm write. Shapes rotate order every round; medians (of the ratios: side by side).
 
-    python benchmarks/iovec_shape.py [--sizes 256,1024] [--per-call 128] [--rounds 4]
+    python benchmarks/iovec_shape.py [--sizes 256,1024] [--per-call 128] [--rounds 4] [--out DIR]
+
+Besides the printed table it writes iovec_shape.csv, .md and .png (GB/s against payload
+size, one panel per phase, one line per shape) into --out (benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tier_throughput as bench  # noqa: E402
+from plotting import Line, Panel, Results, add_out_argument, run_title, write_results  # noqa: E402
 
 HEADER = 4096
 TOTAL = 512 << 20
 THREADS = 4
 SHAPES = ("chunk per call", "one piece", "headers between", "payloads only", "split files")
+LABELS = {"chunk per call": "chunk per call (raw reference)", "split files": "split files (the tier's shape)"}
 
 
 def measure(directory: str, shm_dir: str, payload: int, per_call: int, rounds: int) -> dict[str, list[float]]:
@@ -99,23 +104,39 @@ def main() -> None:
     parser.add_argument("--sizes", default="256,1024", help="payload sizes in KiB, comma-separated")
     parser.add_argument("--per-call", type=int, default=128, help="records per call (the tier: up to 32 MiB, 256 at most)")
     parser.add_argument("--rounds", type=int, default=4)
+    add_out_argument(parser)
     args = parser.parse_args()
+    sizes_kib = [int(size) for size in args.sizes.split(",")]
+    columns = ["chunk KiB", "records per call", "phase"]
+    columns += [f"{shape} GB/s" for shape in SHAPES] + [f"{shape} ratio" for shape in SHAPES]
+    results = Results("iovec_shape", run_title("iovec_shape.py", args), columns, x_label="payload size")
     with tempfile.TemporaryDirectory(dir="/var/tmp", prefix="kvstrata-shape-") as directory, \
             tempfile.TemporaryDirectory(dir="/dev/shm", prefix="kvstrata-shape-") as shm_dir:  # fmt: skip
         print(f"512 MiB per measurement, {THREADS} threads, {args.rounds} rounds; GB/s (medians), ratio to chunk per call")
-        for size in map(int, args.sizes.split(",")):
+        for size in sizes_kib:
             per_call = min(args.per_call, max(1, (32 << 20) // (size << 10)))
             seconds = measure(directory, shm_dir, size << 10, per_call, args.rounds)
             print(f"{size} KiB payloads, {per_call} records per call")
             for phase in ("cold write", "warm write", "read"):
                 reference = seconds[f"chunk per call: {phase}"]
-                cells = []
+                cells, rates, ratios = [], [], []
                 for shape in SHAPES:
                     mine = seconds[f"{shape}: {phase}"]
-                    rate = statistics.median(TOTAL / s / 1e9 for s in mine)
-                    ratio = statistics.median(a / b for a, b in zip(reference, mine))
-                    cells.append(f"{shape} {rate:5.2f} ({ratio:.2f}x)")
+                    rates.append(statistics.median(TOTAL / s / 1e9 for s in mine))
+                    ratios.append(statistics.median(a / b for a, b in zip(reference, mine)))
+                    cells.append(f"{shape} {rates[-1]:5.2f} ({ratios[-1]:.2f}x)")
                 print(f"  {phase:10s}  " + "  ".join(cells), flush=True)
+                results.rows.append([size, per_call, phase, *rates, *ratios])
+    results.sizes_bytes = [size << 10 for size in sizes_kib]
+    results.panels = [
+        Panel(phase, [
+            Line(LABELS.get(shape, shape), [row[3 + i] for row in results.rows if row[2] == phase],
+                 reference=shape != "split files")
+            for i, shape in enumerate(SHAPES)
+        ])
+        for phase in ("cold write", "warm write", "read")
+    ]  # fmt: skip
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

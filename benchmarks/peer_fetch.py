@@ -1,6 +1,6 @@
 """Cross-node peer fetch throughput, beside Ray's own object transfer in the same run.
 
-    python benchmarks/peer_fetch.py [--total-mib 128] [--rounds 3]
+    python benchmarks/peer_fetch.py [--total-mib 128] [--rounds 3] [--out DIR]
 
 Two simulated nodes (`ray.cluster_utils.Cluster`, loopback). Node A's store holds the
 chunks (written through a worker-level probe); node B's store is asked to pin them, so
@@ -10,7 +10,9 @@ flight. Reference: the same bytes, in the same batch sizes, `ray.put` by an acto
 that holds them in memory and `ray.get` by a task on B (Ray's object store and transfer,
 no lookups, no verification), timed from the first put to the last byte on B.
 A warm-up round per chunk size first (arenas map and touch their segments once, as a
-long-running store has); then medians of interleaved rounds.
+long-running store has); then medians of interleaved rounds. Besides the printed table it
+writes peer_fetch.csv, .md and .png (GB/s against chunk size, the reference beside
+kvstrata) into --out (benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 
 import numpy as np
 import ray
+from plotting import Line, Panel, Results, add_out_argument, run_title, write_results
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -95,7 +98,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    add_out_argument(parser)
     args = parser.parse_args()
+    columns = ["chunk KiB", "kvstrata GB/s", "ray put+get GB/s", "ratio"]
+    results = Results("peer_fetch", run_title("peer_fetch.py", args), columns)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     total = args.total_mib << 20
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-", dir="/dev/shm") as shm_dir:
@@ -136,10 +142,18 @@ def main() -> None:
                 gb = lambda s: count * chunk / s / 1e9  # noqa: E731
                 k, r = statistics.median(ours), statistics.median(ref)
                 print(f"{size_mib:>5}MiB {gb(k):>14.2f} {gb(r):>17.2f} {r / k:>6.2f}")
+                results.rows.append([chunk >> 10, gb(k), gb(r), r / k])
+                results.sizes_bytes.append(chunk)
         finally:
             down(config)
             ray.shutdown()
             sim.shutdown()
+    results.panels = [
+        Panel("node B fetches node A's chunks", [
+            Line("kvstrata (lookup, transfer, verify, commit)", results.column("kvstrata GB/s")),
+            Line("ray.put on A + ray.get on B", results.column("ray put+get GB/s"), reference=True)]),
+    ]  # fmt: skip
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

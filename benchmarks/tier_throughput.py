@@ -4,6 +4,9 @@ same run on the same directory or server.
     python benchmarks/tier_throughput.py --tier disk [--path /mnt/nvme/bench] [--total-mib 512] [--threads 4] [--rounds 3]
     python benchmarks/tier_throughput.py --tier object [--total-mib 256] [--concurrency 16] [--rounds 3]
 
+Besides the printed table, each run writes tier_throughput-<tier>.csv, .md and .png
+(GB/s against chunk size, the references beside kvstrata) into --out (benchmarks/results/).
+
 object: a SeaweedFS S3 server on 127.0.0.1 (started here, warmed up first); chunks
 committed to the arena are uploaded (write-through, `max_concurrency` requests in
 flight) and promoted back (GET, verify, commit into the arena). Reference: the server's
@@ -49,8 +52,10 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import numpy as np
+from plotting import Line, Panel, Results, add_out_argument, run_title, write_results
 
 from kvstrata.actors.node_store import NodeStore, freeze_startup_heap
 from kvstrata.actors.protocol import StepRequest
@@ -383,8 +388,12 @@ def ceiling(rounds: list[dict[str, tuple[float, float]]], column: int) -> tuple[
     return medians[best], best
 
 
-def object_main(total_mib: int, concurrency: int, rounds: int) -> None:
+def object_main(total_mib: int, concurrency: int, rounds: int, out: Path, title: str) -> None:
     from kvstrata.s3_server import LocalS3Server
+
+    columns = ["chunk KiB", "PUT GB/s", "GET GB/s", "raw PUT GB/s", "raw GET GB/s", "PUT/raw", "GET/raw",
+               "raw best PUT", "raw best GET"]  # fmt: skip
+    results = Results("tier_throughput-object", title, columns)
 
     data_dir = tempfile.mkdtemp(prefix="kvstrata-bench-s3-", dir="/var/tmp")
     shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
@@ -411,9 +420,19 @@ def object_main(total_mib: int, concurrency: int, rounds: int) -> None:
                     f"{size_mib:>6}MiB {gb(kw):>9.3f} {gb(kr):>9.3f} {gb(rw):>8.3f} {gb(rr):>8.3f}"
                     f" {rw / kw:>8.2f} {rr / kr:>8.2f}   (raw best: PUT {at_w}, GET {at_r})"
                 )
+                results.rows.append([chunk >> 10, gb(kw), gb(kr), gb(rw), gb(rr), rw / kw, rr / kr, at_w, at_r])
+                results.sizes_bytes.append(chunk)
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
+    raw = "raw client (best of s3fs/pyarrow at 8/16/32)"
+    results.panels = [
+        Panel(f"PUT (upload), tier at {concurrency} in flight", [
+            Line("kvstrata", results.column("PUT GB/s")), Line(raw, results.column("raw PUT GB/s"), reference=True)]),
+        Panel("GET (promote: GET, verify, commit)", [
+            Line("kvstrata", results.column("GET GB/s")), Line(raw, results.column("raw GET GB/s"), reference=True)]),
+    ]  # fmt: skip
+    write_results(results, out)
 
 
 def median_speedup(reference: list[tuple[float, ...]], measured: list[tuple[float, ...]], column: int) -> float:
@@ -456,7 +475,31 @@ def disk_figures(
     return [moved / s / 1e9 for s in seconds], ratios, spread
 
 
-def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads: int, sizes_kib: list[int]) -> None:
+def disk_panels(results: Results, vllm: bool) -> list[Panel]:
+    """The disk run's GB/s as three panels: cold writes, warm writes, reads."""
+    column = {name: results.column(name) for name in results.columns}
+    raw = "raw O_DIRECT"
+    cold = [Line("kvstrata", column["kv cold"]), Line(raw, column["raw cold"], reference=True)]
+    warm = [Line("kvstrata", column["kv warm"]), Line(raw, column["raw warm"], reference=True)]
+    read = [Line("kvstrata", column["kv read"]), Line(raw, column["raw read"], reference=True)]
+    if vllm:
+        cold.append(Line("vLLM fs tier", column["vllm w"], reference=True))
+        warm.append(Line("vLLM fs tier", column["vllm w"], reference=True))
+        read += [
+            Line("vLLM fs tier", column["vllm r"], reference=True),
+            Line("vLLM fs tier + xxh3 check", column["vllm+x r"], reference=True),
+            Line("vLLM fs tier, 1 job", column["vllm1j r"], reference=True),
+        ]
+    return [
+        Panel("write, cold (new slab / new files)", cold),
+        Panel("write, warm (kvstrata: reused records;\nvLLM: every store creates its file)", warm),
+        Panel("read (kvstrata: read, verify, commit into the arena)", read),
+    ]
+
+
+def disk_main(
+    path: str | None, total_mib: int, threads: int, rounds: int, reads: int, sizes_kib: list[int], out: Path, title: str
+) -> None:
     directory = tempfile.mkdtemp(prefix="kvstrata-bench-", dir=path or "/var/tmp")
     shm_dir = tempfile.mkdtemp(prefix="kvstrata-bench-", dir="/dev/shm")
     try:
@@ -485,6 +528,7 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
                    "r/vllm1j"]  # fmt: skip
         print(f"{'chunk':>9} " + " ".join(f"{c:>8}" for c in columns))
         spreads = []
+        rows: list[list[float]] = []
         for size_kib in sizes_kib:
             chunk = size_kib * 1024
             count = max(threads, total_mib * 1024 * 1024 // chunk)
@@ -516,8 +560,12 @@ def disk_main(path: str | None, total_mib: int, threads: int, rounds: int, reads
                 + ("" if direct else "  (buffered: no O_DIRECT here)")
                 + ("" if huge else "  (arena in 4 KiB pages)")
             )  # fmt: skip
+            rows.append([size_kib, *figures, *ratios])
         print(f"range of the {rounds * reads} side-by-side read ratios:")
         print("\n".join(spreads))
+        results = Results("tier_throughput-disk", title, ["chunk KiB", *columns], rows, [s << 10 for s in sizes_kib])
+        results.panels = disk_panels(results, "vllm" in subjects)
+        write_results(results, out)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -535,12 +583,20 @@ def main() -> None:
     parser.add_argument(
         "--sizes", default=",".join(map(str, SIZES_KIB)), help="disk tier: chunk sizes in KiB, comma-separated"
     )
+    add_out_argument(parser)
     args = parser.parse_args()
     if args.tier == "object":
-        object_main(args.total_mib if args.total_mib != 512 else 256, args.concurrency, args.rounds)
+        total_mib = args.total_mib if args.total_mib != 512 else 256
+        title = run_title("tier_throughput.py", argparse.Namespace(
+            tier="object", total_mib=total_mib, concurrency=args.concurrency, rounds=args.rounds))  # fmt: skip
+        object_main(total_mib, args.concurrency, args.rounds, args.out, title)
         return
 
-    disk_main(args.path, args.total_mib, args.threads, args.rounds, args.reads, [int(size) for size in args.sizes.split(",")])
+    title = run_title("tier_throughput.py", argparse.Namespace(
+        tier="disk", total_mib=args.total_mib, threads=args.threads, rounds=args.rounds, reads=args.reads,
+        sizes=args.sizes, path=args.path))  # fmt: skip
+    sizes_kib = [int(size) for size in args.sizes.split(",")]
+    disk_main(args.path, args.total_mib, args.threads, args.rounds, args.reads, sizes_kib, args.out, title)
 
 
 if __name__ == "__main__":
