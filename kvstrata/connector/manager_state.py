@@ -94,7 +94,7 @@ class ManagerState:
         self._lock = threading.RLock()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
-        self._reported = dict.fromkeys(COUNTER_NAMES, 0)
+        self._reported: dict[str, int] = {}  # empty: the first report sends every counter, zeros too
 
         # key -> tiers ("CPU", "STORAGE") of the node store that hold it
         self._mirror: dict[bytes, set[str]] = {}

@@ -2,7 +2,8 @@
 
 `StrataSpec.build_metric_definitions` declares every name here to vLLM (in the API
 server, where no manager exists); the manager counts into a dict keyed by
-`COUNTER_NAMES` and hands vLLM each counter's growth since it last asked.
+`COUNTER_NAMES` and hands vLLM each counter's growth since it last asked (every
+counter at its first report, zeros included, so each has a series from the start).
 
 Invariants: a counter only grows, and each unit of growth is reported exactly once;
 a name reaches vLLM only through `metric_name`, so declared and reported names agree.
@@ -41,12 +42,17 @@ def metric_name(name: str) -> str:
 def take_stats(counters: dict[str, int], reported: dict[str, int], gauges: dict[str, int]) -> OffloadingConnectorStats:
     """vLLM's stats since the last call: each counter's growth since `reported` (which
     is brought up to date), and the gauges (`GAUGE_NAMES`) as they are now.
+
+    A counter absent from `reported` (start with it empty) is reported even at zero:
+    vLLM creates a Prometheus series only for a name it is sent, so without this a
+    counter that never grew (`stores_failed`, ...) would have no sample on `/metrics`
+    and `rate()` or an alert on it would see nothing instead of 0.
     """
     stats = OffloadingConnectorStats()
     for name, value in counters.items():
-        delta = value - reported[name]
-        if delta:
-            stats.increase_counter(metric_name(name), delta)
+        previous = reported.get(name)
+        if previous is None or value != previous:
+            stats.increase_counter(metric_name(name), value - (previous or 0))
             reported[name] = value
     for name, value in gauges.items():
         stats.set_gauge(metric_name(name), value)

@@ -466,6 +466,23 @@ def test_stats_report_declared_metrics(store_and_config):
     assert set(reduced) <= set(declared)
 
 
+def test_first_stats_give_every_counter_a_series_then_only_growth(store_and_config):
+    """vLLM creates a Prometheus series only for a name it is sent: a counter that never
+    grows must still be sent once, at zero, or `/metrics` has no sample for it."""
+    from kvstrata.connector.metrics import COUNTER_NAMES, GAUGE_NAMES, metric_name
+
+    manager = make_manager(*store_and_config)
+    first = manager.get_stats().reduce()
+    assert set(first) == set(map(metric_name, [*COUNTER_NAMES, *GAUGE_NAMES]))
+    assert all(first[metric_name(name)] == 0 for name in COUNTER_NAMES)
+    store_keys(manager, [key(1)])
+    second = manager.get_stats().reduce()
+    grown = {name for name in map(metric_name, COUNTER_NAMES) if name in second}
+    assert grown == {metric_name("chunks_stored")} and second[metric_name("chunks_stored")] == 1
+    third = manager.get_stats().reduce()
+    assert set(third) == set(map(metric_name, GAUGE_NAMES))  # nothing grew: gauges only
+
+
 def test_reply_received_during_the_forward_pass_serves_the_next_pass(store_and_config, clock):
     store, cfg = store_and_config
     reader = make_manager(store, cfg, holder="reader", clock=clock)
