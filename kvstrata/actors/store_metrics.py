@@ -7,6 +7,10 @@ store does not count into Ray on its hot paths: an exporter thread turns the sto
 report (store_report.py) into samples every `EXPORT_SECONDS`, sets the gauges and adds
 each counter's growth since the last export.
 
+Names do not collide with the engines' metrics: under Ray Serve LLM vLLM exports its
+`kvstrata:*` metrics through Ray with `:` turned into `_` (hence `kvstrata_store_pinned_chunks`,
+not `kvstrata_pinned_chunks`).
+
 Labels: `node` (the Ray node id) on every store metric, `tier` (cpu, disk, object, peer)
 or `source` where the metric is per tier, `namespace` only on chunks per tier and
 namespace, capped at `MAX_NAMESPACE_LABELS` namespaces per store (the rest are summed
@@ -50,9 +54,13 @@ class MetricSpec:
 _NODE_TIER = ("node", "tier")
 METRICS: dict[str, MetricSpec] = {
     "kvstrata_tier_capacity_bytes": MetricSpec("gauge", "Bytes the tier may hold on this node (0: unbounded).", _NODE_TIER),
-    "kvstrata_tier_used_bytes": MetricSpec("gauge", "Bytes of chunks the tier holds for this node.", _NODE_TIER),
+    "kvstrata_tier_used_bytes": MetricSpec(
+        "gauge", "Bytes of chunks the tier holds (object: this node's view of the shared bucket).", _NODE_TIER
+    ),
     "kvstrata_tier_chunks": MetricSpec("gauge", "Chunks the tier holds, per namespace.", ("node", "tier", "namespace")),
-    "kvstrata_tier_up": MetricSpec("gauge", "1 if the tier is on and answering, 0 if off, failed or paused.", _NODE_TIER),
+    "kvstrata_tier_up": MetricSpec(
+        "gauge", "1 if a configured tier is on and answering, 0 if it failed or is paused (absent: not configured).", _NODE_TIER
+    ),
     "kvstrata_tier_hits": MetricSpec("counter", "Chunks served to engines, by the tier they came from.", _NODE_TIER),
     "kvstrata_tier_misses": MetricSpec(
         "counter", "Chunks asked for that no tier had (cpu), or failed promotions from a tier.", _NODE_TIER
@@ -74,7 +82,7 @@ METRICS: dict[str, MetricSpec] = {
     "kvstrata_peer_fetches": MetricSpec("counter", "Fetch calls to other nodes' stores.", ("node",)),
     "kvstrata_peer_fetch_bytes": MetricSpec("counter", "Bytes fetched from other nodes' stores.", ("node",)),
     "kvstrata_leases_held": MetricSpec("gauge", "Engines holding a lease on this node's store.", ("node",)),
-    "kvstrata_pinned_chunks": MetricSpec("gauge", "Arena chunks pinned by engines on this node.", ("node",)),
+    "kvstrata_store_pinned_chunks": MetricSpec("gauge", "Arena chunks pinned by engines on this node.", ("node",)),
     "kvstrata_directory_entries": MetricSpec(
         "gauge", "Chunk locations a directory shard holds, per namespace.", ("shard", "namespace")
     ),
@@ -103,10 +111,10 @@ def metric_samples(stats: dict[str, Any]) -> list[Sample]:
     node = str(report["node_id"])
     samples: list[Sample] = []
     for tier, fields in report["tiers"].items():
+        if fields["state"] == "off":
+            continue  # not configured: no series at all, so "down" always means failed or paused
         labels = {"node": node, "tier": tier}
         samples.append(("kvstrata_tier_up", labels, float(fields["state"] == "on")))
-        if fields["state"] == "off":
-            continue
         for field, metric in _PER_TIER.items():
             if field in fields:
                 samples.append((metric, labels, float(fields[field] or 0)))
@@ -115,7 +123,7 @@ def metric_samples(stats: dict[str, Any]) -> list[Sample]:
     samples.extend(_namespace_samples(node, report["namespaces"]))
     engines = report["engines"].values()
     samples.append(("kvstrata_leases_held", {"node": node}, float(len(report["engines"]))))
-    samples.append(("kvstrata_pinned_chunks", {"node": node}, float(sum(engine["pinned"] for engine in engines))))
+    samples.append(("kvstrata_store_pinned_chunks", {"node": node}, float(sum(engine["pinned"] for engine in engines))))
     samples.extend(_object_samples(node, stats.get("object")))
     peers = stats.get("peers")
     if peers:

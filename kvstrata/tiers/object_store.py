@@ -123,6 +123,10 @@ def open_filesystem(config: ObjectTierConfig) -> tuple[fsspec.AbstractFileSystem
         config_kwargs.setdefault("retries", {"max_attempts": config.max_attempts, "mode": "adaptive"})
         config_kwargs.setdefault("max_pool_connections", config.max_concurrency)
         options.update(client_kwargs=client_kwargs, config_kwargs=config_kwargs)
+    elif protocol in ("file", "local"):
+        # A bucket creates "directories" by itself; a local root (a shared filesystem)
+        # must create the fan-out directories of its chunks, or every PUT fails.
+        options.setdefault("auto_mkdir", True)
     fs, root = fsspec.core.url_to_fs(config.url, skip_instance_cache=True, **options)
     if protocol in S3_PROTOCOLS:
         # botocore's bounded, jittered retries only: s3fs's own retry loop would multiply

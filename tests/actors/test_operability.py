@@ -96,7 +96,8 @@ def test_store_metrics_reach_the_ray_metrics_port_with_the_store_figures(store, 
     assert value(samples, spec["kvstrata_tier_capacity_bytes"], node=node, tier="disk") == cfg.tiers.disk.capacity
     assert value(samples, spec["kvstrata_tier_chunks"], node=node, tier="cpu", namespace=NAMESPACE) == 4
     assert value(samples, spec["kvstrata_tier_chunks"], node=node, tier="disk", namespace=NAMESPACE) == 4
-    assert value(samples, spec["kvstrata_tier_up"], node=node, tier="object") == 0
+    assert value(samples, spec["kvstrata_tier_up"], node=node, tier="disk") == 1
+    assert value(samples, spec["kvstrata_tier_up"], node=node, tier="object") is None  # not configured
     assert value(samples, spec["kvstrata_leases_held"], node=node) == 1
     # Every gauge of the tiers configured here is exported (object, peer and directory
     # metrics need those tiers). Counters appear at their first event: Ray refuses inc(0).
