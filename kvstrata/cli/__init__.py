@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kvstrata.bench import add_bench_arguments
 from kvstrata.config import ConfigError, KvstrataConfig, load_config
 
 STATUS_TIMEOUT_SECONDS = 10.0
@@ -62,11 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = command(
         "bench",
         "Measure write and read throughput of the configured tiers on this node, each beside a "
-        "reference measured in the same run (memcpy, raw disk, raw object client), on scratch "
-        "space it removes afterwards.",
+        "reference measured in the same run (memcpy, raw disk, raw object client), with a "
+        "progress bar, on scratch space it removes afterwards.",
     )
     bench.add_argument("--config", default=None, help="YAML tier config (default: built-in local config)")
-    _add_bench_arguments(bench)
+    add_bench_arguments(bench)
     purge = command("purge", "Drop stored chunks from every tier of this node's store (pinned ones go when unpinned).")
     purge.add_argument("--namespace", default=None, help="only this layout namespace")
     down = command("down", "Unlink the arena and end this node's store (with a `cluster` section: every store and the directory).")
@@ -195,14 +196,6 @@ def _bench(config: KvstrataConfig, console: Console, args: argparse.Namespace) -
     from kvstrata.bench import run_bench
 
     return run_bench(config, console, args)
-
-
-def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    try:
-        from kvstrata.bench import add_bench_arguments
-    except ImportError:
-        return
-    add_bench_arguments(parser)
 
 
 def _purge_or_down(config: KvstrataConfig, console: Console, args: argparse.Namespace) -> int:
