@@ -53,7 +53,7 @@ from contextlib import ExitStack, contextmanager
 import numpy as np
 
 from kvstrata.actors.node_store import NodeStore, freeze_startup_heap
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.bench import cascade, promote, timed
 from kvstrata.keys import make_key
 from kvstrata.tiers.disk import DIGEST_THREADS, record_disk_bytes
 from kvstrata.tiers.records import chunk_digest
@@ -91,14 +91,6 @@ def huge_page_probe(shm_dir: str) -> bool:
     probe = SharedMemoryFile.create(os.path.join(shm_dir, "probe"), 4 << 20)
     probe.close()
     return probe.huge_pages
-
-
-def timed(work: Callable[[], object]) -> float:
-    """Seconds `work` takes, started on a flushed disk: the last phase's writeback must not slow it."""
-    os.sync()
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
 
 
 class RawODirect:
@@ -252,51 +244,6 @@ class KvstrataDisk:
         stats = self.store.stats()
         pool = stats["pools"]["bench"]
         return all(stats["disk"]["direct_io"].values()), pool["huge_page_segments"] == pool["segments"]
-
-
-def cascade(store: NodeStore, namespace: str, chunk: int, count: int, first_key: int = 0) -> tuple[float, list[bytes]]:
-    """Seconds to cascade `count` new committed chunks out of the arena, and their keys.
-
-    The clock stops when the store reports no I/O in flight; then the arena forgets the
-    chunks, so only the tier under test holds them.
-    """
-    store.register("bench", namespace, chunk)
-    assert store.wait_io(60)  # manifests and first listings are not part of the figure
-    pool = store.arena.pools[namespace]
-    slots = pool.reserve("bench", count)
-    rng = np.random.default_rng(first_key)
-    for slot in slots:
-        pool.view(slot)[:] = rng.integers(0, 256, chunk, dtype=np.uint8)
-    keys = [chunk_key(i) for i in range(first_key, first_key + count)]
-    # Like an engine, which catches up on the change log at every step, the timed steps
-    # carry the sequence number the engine has seen: replaying the whole log is not part
-    # of a cascade or a promotion.
-    seq = store.step(StepRequest("bench", namespace)).seq
-
-    def commit() -> None:
-        store.step(StepRequest("bench", namespace, commit=list(zip(slots, keys)), known_seq=seq))
-        assert store.wait_io(600)
-
-    seconds = timed(commit)
-    pool.drop_holder("bench")
-    pool.purge()
-    return seconds, keys
-
-
-def promote(store: NodeStore, namespace: str, keys: list[bytes]) -> float:
-    """Seconds to promote chunks only the tier holds back into the arena, which forgets them after."""
-    pool = store.arena.pools[namespace]
-    seq = store.step(StepRequest("bench", namespace)).seq
-
-    def pin() -> None:
-        reply = store.step(StepRequest("bench", namespace, pin=keys, known_seq=seq))
-        assert len(reply.pending) == len(keys), "every chunk should be promoted from the tier"
-        assert store.wait_io(600)
-
-    seconds = timed(pin)
-    pool.drop_holder("bench")
-    pool.purge()
-    return seconds
 
 
 def cascade_and_promote(store: NodeStore, namespace: str, chunk: int, count: int) -> tuple[float, float]:
