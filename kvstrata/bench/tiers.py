@@ -224,6 +224,8 @@ def measure_cpu(config: KvstrataConfig, scratch: Scratch, chunk: int, count: int
 
         samples = run_rounds(rounds, tick, store, ref_store, load, ref_load, forget)
         _note_pages(row, pool.stats())
+        if not reference.huge_pages and pool.stats()["huge_page_segments"]:
+            row.notes.append("the reference's memory got 4 KiB pages, the arena's 2 MiB pages: not like for like")
     return samples.fill(row)
 
 
