@@ -40,7 +40,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated chunk sizes, multiples of 4 KiB; a plain number is KiB (default: {DEFAULT_CHUNK_SIZES})",
     )  # fmt: skip
     parser.add_argument(
-        "--bytes", dest="bench_bytes", default=DEFAULT_BYTES,
+        "--bytes", dest="bench_bytes", default=DEFAULT_BYTES, metavar="SIZE",
         help=f"bytes moved per measurement, capped by the tier's capacity and free space (default: {DEFAULT_BYTES})",
     )  # fmt: skip
     parser.add_argument("--mib", type=int, default=None, help=argparse.SUPPRESS)  # --bytes in MiB (older spelling)
