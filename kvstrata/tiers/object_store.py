@@ -289,8 +289,11 @@ class ObjectTier:
         entries = []
         for path, info in found.items():
             key = self.key_of(path)
-            if key is not None:
-                namespace = path[len(self.root) :].lstrip("/").split("/", 1)[0]
+            namespace = path[len(self.root) :].lstrip("/").split("/", 1)[0]
+            # A dot-named prefix is no namespace (namespaces are hex digests): it holds
+            # scratch objects (`kvstrata bench`), which a sweep must neither count
+            # against `capacity` nor delete while they are being measured.
+            if key is not None and not namespace.startswith("."):
                 entries.append(ObjectEntry(namespace, key, path, int(info.get("size") or 0), _written_at(info)))
         return entries
 
