@@ -49,88 +49,23 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 from plotting import Line, Panel, Results, add_out_argument, run_title, write_results
 
 from kvstrata.actors.node_store import NodeStore, freeze_startup_heap
-from kvstrata.bench import cascade, promote, timed
-from kvstrata.keys import make_key
+from kvstrata.bench.measure import RawFileIO, cascade, chunk_key, huge_page_probe, promote, reference_memory, rotated, split, timed
 from kvstrata.tiers.disk import DIGEST_THREADS, record_disk_bytes
 from kvstrata.tiers.records import chunk_digest
-from kvstrata.tiers.shm import SharedMemoryFile
 
 SIZES_KIB = [256, 1024, 2048, 8192, 32768]
 VERIFIED = "vllm+xxh3"  # the read reference (b) with kvstrata's check added
 ONE_JOB = "vllm 1 job"  # the read reference (b) as vLLM's tier loads one request
 VLLM_READS = ("vllm", VERIFIED, ONE_JOB)
-
-
-def chunk_key(i: int) -> bytes:
-    """The key of the benchmark's chunk number `i` (group 0)."""
-    return make_key(i.to_bytes(32, "big"), 0)
-
-
-def split(items: list, parts: int) -> list[list]:
-    return [items[i::parts] for i in range(parts)]
-
-
-@contextmanager
-def reference_memory(shm_dir: str, size: int, seed: int) -> Iterator[memoryview]:
-    """Random bytes in the same kind of memory as the arena, every page allocated before any timing."""
-    segment = SharedMemoryFile.create(os.path.join(shm_dir, f"reference-{seed}"), size)
-    try:
-        segment.array[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-        with memoryview(segment.array) as view:
-            yield view
-    finally:
-        segment.close()
-
-
-def huge_page_probe(shm_dir: str) -> bool:
-    """Whether shared memory in `shm_dir` gets 2 MiB pages (the arena and the references alike)."""
-    probe = SharedMemoryFile.create(os.path.join(shm_dir, "probe"), 4 << 20)
-    probe.close()
-    return probe.huge_pages
-
-
-class RawODirect:
-    """Reference (a): each thread pwrite()s / pread()s its chunks, one at a time, into its own file.
-
-    Every chunk has its own place in memory, as in any tier: on this VM, O_DIRECT reads into
-    one reused buffer run at about half the speed of reads into distinct memory, which would
-    make the reference look slower than the disk is.
-    """
-
-    def __init__(self, directory: str, shm_dir: str, chunk: int, count: int, threads: int, stack: ExitStack):
-        self.chunk, self.threads = chunk, threads
-        self.paths = [os.path.join(directory, f"raw-{t}.bin") for t in range(threads)]
-        self.per_thread = split(list(range(count)), threads)
-        self.view = stack.enter_context(reference_memory(shm_dir, chunk * count, seed=2))
-        self.pool = stack.enter_context(ThreadPoolExecutor(threads))
-        stack.callback(lambda: [os.remove(path) for path in self.paths if os.path.exists(path)])
-
-    def write(self) -> tuple[float, float]:
-        """Cold (new files) and warm (the same files again) write, in seconds."""
-        return timed(lambda: self._each_thread(os.pwrite)), timed(lambda: self._each_thread(os.pwrite))
-
-    def read(self) -> float:
-        return timed(lambda: self._each_thread(lambda fd, view, offset: os.preadv(fd, [view], offset)))
-
-    def _each_thread(self, call: Callable[[int, memoryview, int], int]) -> None:
-        def run(t: int) -> None:
-            fd = os.open(self.paths[t], os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-            try:
-                for i, c in enumerate(self.per_thread[t]):
-                    call(fd, self.view[c * self.chunk : (c + 1) * self.chunk], i * self.chunk)
-            finally:
-                os.close(fd)
-
-        list(self.pool.map(run, range(self.threads)))
 
 
 class VllmFs:
@@ -388,10 +323,6 @@ def median_speedup(reference: list[tuple[float, ...]], measured: list[tuple[floa
     return statistics.median(r[column] / m[column] for r, m in zip(reference, measured))
 
 
-def rotated(items: list, by: int) -> list:
-    return items[by % len(items) :] + items[: by % len(items)]
-
-
 def disk_figures(
     moved: int, writes: dict[str, list[tuple[float, ...]]], reads: list[dict[str, float]]
 ) -> tuple[list[float], list[float], str]:
@@ -463,7 +394,7 @@ def disk_main(
         print("  vllm1j r: vLLM's tier loading the fill as one request (one job: one batch_load_block on one thread)")
         pages = "2 MiB pages" if huge_page_probe(shm_dir) else "4 KiB pages (no MADV_COLLAPSE here)"
         print(f"  memory: the arena and both references use shared memory in {pages}")
-        subjects: dict[str, type] = {"kvstrata": KvstrataDisk, "raw": RawODirect}
+        subjects: dict[str, type] = {"kvstrata": KvstrataDisk, "raw": RawFileIO}
         try:
             import vllm.v1.kv_offload.tiering.fs.io  # noqa: F401
         except ImportError:
