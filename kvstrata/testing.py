@@ -7,9 +7,11 @@ vLLM: head_dim >= 32.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import string
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,9 @@ logger = logging.getLogger(__name__)
 # How long an engine's processes get to exit on their own after vLLM's shutdown (its
 # workers wait VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, then are signalled by the core).
 ENGINE_EXIT_TIMEOUT_S = 15.0
+
+# vLLM's shared memory in /dev/shm: its message queues and multiprocessing semaphores.
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-")
 
 VOCAB = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + string.digits + string.punctuation + " \n")
 
@@ -128,10 +133,47 @@ def shutdown_llm(llm, timeout_s: float = ENGINE_EXIT_TIMEOUT_S) -> None:
     send in `MessageQueue.shutdown`), holding 1.7 GB and the engine's shared memory
     (~750 MB of `psm_*` segments, freed once it exits). So the engine's processes are
     listed before the shutdown and those still alive `timeout_s` after it are killed by pid.
+
+    Then vLLM's shared memory that outlived them is removed: vLLM unlinks its queues in
+    the engine core's own teardown, which the client cuts short after 5 s (on 2 cores the
+    teardown alone took longer, measured 24 November 2026, with or without kvstrata), so
+    the core's `psm_*` queue (160 MiB) stays behind. The spawning process's resource
+    tracker removes it when that process exits, unless the process is a Ray worker, whose
+    children (the tracker among them) Ray kills with it: `examples/multinode` left 160 MiB
+    per engine. Only the `psm_*` and `sem.mp-*` files the engine's processes mapped, and
+    that no process maps any more, are removed.
     """
     processes = _engine_processes(llm)
+    mapped = shared_memory_of([process.pid for process in processes])
+    queues = {path for path in mapped if path.name.startswith(VLLM_SHM_PREFIXES)}
     llm.llm_engine.engine_core.shutdown()
     _stop_processes(processes, timeout_s)
+    _unlink_unmapped(queues)
+
+
+def _unlink_unmapped(files: set[Path]) -> None:
+    """Remove those of `files` (vLLM's shared memory) that still exist and no process maps.
+
+    A `psm_*` queue goes through `SharedMemory.unlink`, which also takes it off this
+    process's resource tracker, so the tracker does not try again at exit.
+    """
+    from multiprocessing import shared_memory
+
+    if not files:
+        return
+    in_use = _mapped_inodes(int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+    for path in files:
+        try:
+            if path.stat().st_ino in in_use:
+                continue
+            if path.name.startswith("psm_"):
+                segment = shared_memory.SharedMemory(name=path.name)
+                segment.close()
+                segment.unlink()
+            else:
+                path.unlink()
+        except (FileNotFoundError, ValueError):  # gone meanwhile, or emptied by its owner
+            continue
 
 
 def _engine_processes(llm) -> list:
@@ -235,6 +277,68 @@ def wait_until_serving(base_url: str, model_id: str, timeout_s: float = 300) -> 
             if time.monotonic() > deadline:
                 raise
             time.sleep(1)
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and every process under it, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, []))
+    return found
+
+
+def _mapped_inodes(pids: Iterable[int], shm_dir: str | Path = "/dev/shm") -> set[int]:
+    """The inodes of the `shm_dir` files these processes map (from /proc/<pid>/maps)."""
+    mapped: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(f"{shm_dir}/"):
+                    mapped.add(int(fields[4]))
+    return mapped
+
+
+def shared_memory_of(pids: list[int], shm_dir: str | Path = "/dev/shm") -> set[Path]:
+    """The files of `shm_dir` these processes have mapped, found by inode.
+
+    By inode, not by the name in /proc/<pid>/maps: glibc's `sem_open` creates a semaphore
+    under a temporary name, maps it, then links it to its real name (`sem.mp-...`), so the
+    creator's mapping names a deleted file while the semaphore lives on under another.
+    """
+    mapped = _mapped_inodes(pids, shm_dir)
+    found: set[Path] = set()
+    for entry in Path(shm_dir).iterdir():
+        with contextlib.suppress(OSError):
+            if entry.is_file() and entry.stat().st_ino in mapped:
+                found.add(entry)
+    return found
+
+
+def serve_engine_shared_memory(app: str, deployment: str = "LLMServer") -> set[Path]:
+    """vLLM's shared-memory queues (`psm_*`) and semaphores (`sem.mp-*`) mapped by the
+    processes of a Serve app's LLM replicas on this machine (replica, engine core, workers).
+
+    Ray Serve LLM 2.60 stops a replica without shutting its vLLM engine down
+    (`VLLMEngine.shutdown` only closes a socket), so vLLM never unlinks these: whoever
+    started the app takes this list while it serves and unlinks exactly these files after
+    `serve.shutdown()`. kvstrata's arena (`kvstrata-*`) is the node store's and not listed.
+    """
+    marker = f"ServeReplica:{app}:{deployment}".encode()
+    replicas = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if marker in cmdline.read_bytes():
+                replicas.append(int(cmdline.parent.name))
+    pids = [pid for replica in replicas for pid in process_tree(replica)]
+    return {path for path in shared_memory_of(pids) if path.name.startswith(VLLM_SHM_PREFIXES)}
 
 
 class ChunkProbe:

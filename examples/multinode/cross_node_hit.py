@@ -13,7 +13,7 @@ Each engine runs in a Ray actor pinned to its node. The engine on the first node
 the prompts (its node's store keeps their KV); the engine on the second node then serves
 the same prompts after its own prefix cache is reset: every cached token it reports came
 from the first node's store, fetched over Ray. The script prints both rounds and the
-stores' counters.
+stores' counters; what vLLM, Ray and torch say goes to a log file named on the first line.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, TextIO
 
 CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
@@ -77,7 +77,16 @@ def main() -> None:
     args = parser.parse_args()
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
+    from kvstrata.quiet import quiet_output
 
+    # This process's messages go to a log file named on the first line; the engines run in
+    # Ray workers, whose output stays in Ray's session logs.
+    with quiet_output("cross_node_hit", note="; the engines': /tmp/ray/session_latest/logs") as terminal:
+        run(args, terminal)
+
+
+def run(args: argparse.Namespace, out: TextIO) -> None:
+    """Serve the prompts on one node's engine, then on another's; print both rounds to `out`."""
     import ray
 
     from kvstrata.actors.cluster import down, store_nodes, up
@@ -113,16 +122,16 @@ def main() -> None:
                 ray.get(engine.shutdown.remote())
                 ray.kill(engine)
             for (node_id, results) in zip(nodes, rounds):
-                cached = [r["cached_tokens"] for r in results]
-                print(f"node {node_id[:12]}: prompt tokens {[r['prompt_tokens'] for r in results]}, cached {cached}")
+                prompt_tokens, cached = [r["prompt_tokens"] for r in results], [r["cached_tokens"] for r in results]
+                print(f"node {node_id[:12]}: prompt tokens {prompt_tokens}, cached {cached}", file=out)
             same = all(a["token_ids"] == b["token_ids"] for a, b in zip(*rounds))
-            print(f"same tokens on both nodes: {same}")
+            print(f"same tokens on both nodes: {same}", file=out)
             from kvstrata.actors.client import get_node_store
 
             for node_id in nodes[:2]:
                 stats = ray.get(get_node_store(node_id).stats.remote())
                 counters = {k: stats[k] for k in ("engine_pins", "peer_promotions", "chunks_exported")}
-                print(f"store on {node_id[:12]}: {json.dumps(counters)}")
+                print(f"store on {node_id[:12]}: {json.dumps(counters)}", file=out)
         finally:
             down(config)
             ray.shutdown()

@@ -19,7 +19,7 @@ from kvstrata.actors.client import (
     get_node_store,
     shutdown_node_store,
 )
-from kvstrata.testing import build_tiny_llama, cached_tokens, chat, wait_until_serving
+from kvstrata.testing import build_tiny_llama, cached_tokens, chat, serve_engine_shared_memory, wait_until_serving
 from tests.e2e.expect import BLOCK, expected_hit
 from tests.utils import local_ray
 
@@ -43,47 +43,6 @@ def yaml_llm_config(model_source: str):
     return LLMConfig(**settings), application
 
 
-def descendants(pid: int) -> list[int]:
-    """A process and every process under it (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo.extend(children.get(current, []))
-    return found
-
-
-def shared_memory_of(pids: list[int]) -> set[Path]:
-    """The /dev/shm files these processes have mapped."""
-    segments: set[Path] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[-1]
-                if path.startswith("/dev/shm/"):
-                    segments.add(Path(path.removesuffix(" (deleted)")))
-    return segments
-
-
-def engine_shared_memory() -> set[Path]:
-    """vLLM's shared-memory queues (and semaphores) of this app's LLMServer replica. Ray Serve LLM 2.60
-    stops a replica without shutting its vLLM engine down (`VLLMEngine.shutdown` only
-    closes a socket), so vLLM never unlinks them: the test removes exactly these."""
-    replicas = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        with contextlib.suppress(OSError):
-            if f"ServeReplica:{APP}:LLMServer".encode() in cmdline.read_bytes():
-                replicas.append(int(cmdline.parent.name))
-    assert replicas, "the LLMServer replica process was not found"
-    pids = [pid for replica in replicas for pid in descendants(replica)]
-    return {path for path in shared_memory_of(pids) if path.name.startswith(("psm_", "sem.mp-"))}
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -101,6 +60,8 @@ def served(tmp_path_factory):
     llm_config, application = yaml_llm_config(str(model))
     args = dict(application["args"], llm_configs=[llm_config])
     with local_ray("kvstrata-e2e-serve"):
+        # The engine's scheduler joins this cluster, not one another process started since.
+        llm_config.runtime_env["env_vars"]["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         port = free_port()
         leaked_by_serve: set[Path] = set()
         try:
@@ -108,7 +69,8 @@ def served(tmp_path_factory):
             serve.run(build_openai_app(args), name=APP, route_prefix=application["route_prefix"])
             base_url = f"http://127.0.0.1:{port}"
             wait_until_serving(base_url, MODEL_ID, timeout_s=300)
-            leaked_by_serve = engine_shared_memory()
+            leaked_by_serve = serve_engine_shared_memory(APP)
+            assert leaked_by_serve, "no shared memory of the LLMServer replica's engine was found"
             yield base_url, serve.get_deployment_handle(f"LLMServer:{MODEL_ID}", APP), ray
         finally:
             serve.shutdown()
