@@ -97,7 +97,8 @@ class StrataSpec(OffloadingSpec):
     @override
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            from kvstrata.actors.client import RayStoreClient, ensure_node_store, join_cluster
+            from kvstrata.actors.client import RayStoreClient, ensure_node_store
+            from kvstrata.connector.ray_join import join_cluster_keeping_signals
 
             cfg = self.kvstrata_config
             self.identity = resolve_model_identity(
@@ -117,7 +118,7 @@ class StrataSpec(OffloadingSpec):
                 self.identity.source,
                 self.layout.namespace,
             )
-            join_cluster(cfg.ray.address)
+            join_cluster_keeping_signals(cfg.ray.address)
             client = RayStoreClient(ensure_node_store(cfg), cfg.engine.control_timeout_seconds)
             self._manager = StrataManager(
                 client,
