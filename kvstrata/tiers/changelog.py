@@ -28,6 +28,7 @@ class ChangeLog:
         self._seq = 0
         self._log: deque[tuple[int, bytes, str, bool]] = deque(maxlen=length)
         self._present: dict[tuple[bytes, str], None] = {}
+        self._counts: dict[str, int] = {}  # medium -> entries of `_present` in it
 
     @property
     def seq(self) -> int:
@@ -41,6 +42,7 @@ class ChangeLog:
         """Record one change for many keys under one lock (a batch commit or a disk write)."""
         with self._lock:
             known, log, seq = self._present, self._log, self._seq
+            first = seq
             for key in keys:
                 entry = (key, medium)
                 if present == (entry in known):
@@ -51,6 +53,7 @@ class ChangeLog:
                     del known[entry]
                 seq += 1
                 log.append((seq, key, medium, present))
+            self._counts[medium] = self._counts.get(medium, 0) + (seq - first if present else first - seq)
             self._seq = seq
 
     def snapshot(self) -> tuple[int, list[Change]]:
@@ -77,6 +80,11 @@ class ChangeLog:
     def has(self, key: bytes, medium: str) -> bool:
         with self._lock:
             return (key, medium) in self._present
+
+    def count(self, medium: str | None = None) -> int:
+        """Entries in `medium` (every medium: None), without walking them (status and metrics ask often)."""
+        with self._lock:
+            return len(self._present) if medium is None else self._counts.get(medium, 0)
 
     def present(self, medium: str) -> list[bytes]:
         with self._lock:

@@ -47,3 +47,13 @@ def test_a_reader_too_far_behind_gets_none_and_takes_a_snapshot():
     assert seq == 10 and len(present) == 10
     assert log.present(CPU) == [key(i) for i in range(10)]
     assert log.present(STORAGE) == []
+
+
+def test_counts_per_medium_follow_what_is_present():
+    log = ChangeLog()
+    log.record_many([key(1), key(2), key(3)], CPU, True)
+    log.record_many([key(2), key(9)], CPU, False)  # key(9) was never there: no change
+    log.record(key(1), STORAGE, True)
+    log.record(key(1), STORAGE, True)
+    assert (log.count(CPU), log.count(STORAGE), log.count()) == (2, 1, 3)
+    assert log.count(CPU) == len(log.present(CPU)) and log.count(STORAGE) == len(log.present(STORAGE))
