@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from kvstrata.actors.options import service_actor_options
+from kvstrata.actors.options import in_ray_actor, service_actor_options
 from kvstrata.tiers.changelog import CPU, STORAGE, ChangeLog
 
 # (key, tier, present) as a store sends it; (key, "<node id>/<tier>", present) as it comes back.
@@ -61,7 +61,7 @@ class DirectoryShard:
         # One change log per namespace; its "medium" is the holder: "<node id>/<tier>".
         self._logs: dict[str, ChangeLog] = {}
         self._metrics = None
-        if _in_ray_actor():
+        if in_ray_actor():
             from kvstrata.actors.store_metrics import MetricsExporter, directory_samples
 
             name = f"kvstrata-directory-{shard}-metrics"
@@ -116,14 +116,8 @@ class DirectoryShard:
             return {
                 "shard": self.shard,
                 "epoch": self.epoch,
-                "namespaces": {ns: len(log.snapshot()[1]) for ns, log in self._logs.items()},
+                "namespaces": {ns: log.count() for ns, log in self._logs.items()},
             }
-
-
-def _in_ray_actor() -> bool:
-    import ray
-
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def directory_shard(shard: int) -> Any:

@@ -49,19 +49,17 @@ from typing import Any
 from kvstrata.actors.directory import directory_shard
 from kvstrata.actors.io_meter import IoMeter
 from kvstrata.actors.local_client import LocalStoreClient
-from kvstrata.actors.options import node_tag
+from kvstrata.actors.options import in_ray_actor, node_tag
 from kvstrata.actors.peers import PeerSync
 from kvstrata.actors.store_control import StoreControl
 from kvstrata.actors.store_metrics import MetricsExporter, metric_samples
 from kvstrata.actors.store_report import store_report
-from kvstrata.actors.store_state import logger
+from kvstrata.actors.store_state import PROMOTION_SOURCES, logger
 from kvstrata.config import KvstrataConfig, load_config
 from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.changelog import CPU, STORAGE
 from kvstrata.tiers.disk import DiskTier, DiskTierError
 from kvstrata.tiers.object_store import ObjectTier
-
-PROMOTION_SOURCES = ("disk", "peer", "object")
 
 # What tests, benchmarks and `client` import from here.
 __all__ = ["LocalStoreClient", "NodeStore", "freeze_startup_heap"]
@@ -130,7 +128,7 @@ class NodeStore(StoreControl):
             self.peers = PeerSync(node_id, self.config.cluster, lambda: dict(self._logs), directory_shard).start()
             self._peer_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peer-fetch")
         self._metrics = None
-        if _in_ray_actor():
+        if in_ray_actor():
             freeze_startup_heap()
             self._metrics = MetricsExporter(lambda: metric_samples(self.stats()), name="kvstrata-store-metrics").start()
         logger.info(
@@ -198,7 +196,8 @@ class NodeStore(StoreControl):
 
     def stats(self) -> dict[str, object]:
         with self._lock:
-            disk = self.disk.stats() if self.disk else {"error": self.disk_error} if self.disk_error else None
+            disk_stats = self.disk.stats() if self.disk else None
+            disk = disk_stats or ({"error": self.disk_error} if self.disk_error else None)
             return {
                 "object": self.object.stats() if self.object else None,
                 "peers": self.peers.stats() if self.peers else None,
@@ -211,22 +210,8 @@ class NodeStore(StoreControl):
                 "writes_pending": self._writes_pending,
                 "gc_frozen_objects": gc.get_freeze_count(),
                 **self.counters,
-                "report": store_report(self),
+                "report": store_report(self, disk_stats),
             }
-
-    def check_tiers(self) -> dict[str, str]:
-        """Configured tiers that are not working now, with why (`kvstrata up` reports them).
-
-        The disk tier's opening error; for the object store a write-and-delete probe of
-        its root (two requests, bounded by the tier's deadlines)."""
-        problems: dict[str, str] = {}
-        if self.config.tiers.disk is not None and self.disk is None:
-            problems["disk"] = str(self.disk_error)
-        if self.object is not None:
-            why = self.object.probe(node_tag(self.node_id))
-            if why is not None:
-                problems["object"] = why
-        return problems
 
     def wait_io(self, timeout_s: float = 30.0) -> bool:
         """Wait until no disk write or promotion is in flight (tests, tools, benchmarks)."""
@@ -267,13 +252,6 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
-
-
-def _in_ray_actor() -> bool:
-    """Whether this is a Ray actor's process (the store's own), not a driver or a test."""
-    import ray
-
-    return _in_ray() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def _in_ray() -> bool:

@@ -8,6 +8,14 @@ STORE_NAMESPACE = "kvstrata"
 STORE_NAME_PREFIX = "kvstrata-node-"
 
 
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor's (a store's, a directory shard's), not a driver
+    or a test building the class in-process: only actors export metrics and freeze their heap."""
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
 def store_actor_name(node_id: str) -> str:
     return f"{STORE_NAME_PREFIX}{node_id}"
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 from kvstrata.actors.io_meter import DIRECTIONS
-from kvstrata.actors.store_state import StoreState
+from kvstrata.actors.store_state import PROMOTION_SOURCES, StoreState
 from kvstrata.tiers.changelog import OBJECT
 
 
@@ -52,11 +52,12 @@ class TierReport(TypedDict, total=False):
     write_bytes_per_second: float
 
 
-def store_report(store: StoreState) -> dict[str, Any]:
-    """The report of one store (call it under the store's lock)."""
+def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, Any]:
+    """The report of one store (call it under the store's lock); `disk_stats`: the disk
+    tier's `stats()` as the caller already took them (None without a disk tier)."""
     counters = store.counters
     pools = store.arena.pools
-    promoted = sum(counters[f"{source}_promotions"] for source in ("disk", "peer", "object"))
+    promoted = sum(counters[f"{source}_promotions"] for source in PROMOTION_SOURCES)
     cpu_counters = _sum_counters(pool.counters for pool in pools.values())
     tiers: dict[str, TierReport] = {
         "cpu": {
@@ -71,7 +72,7 @@ def store_report(store: StoreState) -> dict[str, Any]:
             "failed": cpu_counters.get("grow_failures", 0) + cpu_counters.get("holds_refused", 0),
             "corrupt": 0,
         },
-        "disk": _disk_report(store),
+        "disk": _disk_report(store, disk_stats),
         "object": _object_report(store),
         "peer": _peer_report(store),
     }
@@ -81,17 +82,16 @@ def store_report(store: StoreState) -> dict[str, Any]:
     return {
         "node_id": store.node_id,
         "tiers": tiers,
-        "namespaces": _namespaces(store),
+        "namespaces": _namespaces(store, disk_stats["resident"] if disk_stats else {}),
         "engines": _engines(store),
     }
 
 
-def _disk_report(store: StoreState) -> TierReport:
-    if store.disk is None:
+def _disk_report(store: StoreState, stats: dict[str, Any] | None) -> TierReport:
+    if stats is None:
         if store.disk_error:
             return {"state": "error", "reason": store.disk_error}
         return {"state": "off"}
-    stats = store.disk.stats()
     counters = store.counters
     return {
         "state": "on" if stats["admitting"] else "paused",
@@ -115,7 +115,7 @@ def _object_report(store: StoreState) -> TierReport:
     counters = store.counters
     chunks = used = 0
     for namespace, log in store._logs.items():
-        count = len(log.present(OBJECT))
+        count = log.count(OBJECT)
         chunks += count
         pool = store.arena.pools.get(namespace)
         used += count * pool.geometry.slot_bytes if pool is not None else 0
@@ -169,8 +169,7 @@ def _io(store: StoreState, tier: str) -> TierReport:
     return report
 
 
-def _namespaces(store: StoreState) -> dict[str, dict[str, Any]]:
-    disk_resident = store.disk.stats()["resident"] if store.disk is not None else {}
+def _namespaces(store: StoreState, disk_resident: dict[str, int]) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for namespace in sorted(set(store.layouts) | set(store.arena.pools) | set(disk_resident)):
         pool = store.arena.pools.get(namespace)
@@ -180,7 +179,7 @@ def _namespaces(store: StoreState) -> dict[str, dict[str, Any]]:
             "chunks": {
                 "cpu": len(pool) if pool is not None else 0,
                 "disk": disk_resident.get(namespace, 0),
-                "object": len(log.present(OBJECT)) if log is not None and store.object is not None else 0,
+                "object": log.count(OBJECT) if log is not None and store.object is not None else 0,
             },
         }
     return found

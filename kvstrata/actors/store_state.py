@@ -36,6 +36,8 @@ from kvstrata.tiers.object_store import ObjectTier
 # One logger for every part of the store, named as it was before the store was split, so
 # logging configuration that names it keeps working.
 logger = logging.getLogger("kvstrata.actors.node_store")
+# Where a promotion brings a chunk from: this node's disk, another node's store, the bucket.
+PROMOTION_SOURCES = ("disk", "peer", "object")
 
 
 class StoreState:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -110,16 +111,19 @@ def _up(config: KvstrataConfig, console: Console, allow_degraded: bool) -> int:
         console.print(f"kvstrata up on {len(placed['nodes'])} nodes, {placed['directory_shards']} directory shards")
         stores = named_actors(STORE_NAME_PREFIX)
     else:
-        store = ensure_node_store(config)
-        stores = {ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS)["node_id"]: store}
-    problems = 0
-    for node_id, store in sorted(stores.items()):
-        found = ray.get(store.check_tiers.remote(), timeout=STATUS_TIMEOUT_SECONDS + 60)
+        stores = {"this node": ensure_node_store(config)}
+    object_problem = _probe_object_store(config)
+    problems = int(object_problem is not None)
+    for _, store in sorted(stores.items()):
         stats = ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS)
-        console.print(f"node store up on node {node_id} (pid {stats['pid']}, epoch {stats['epoch']})", highlight=False)
+        disk = stats["report"]["tiers"]["disk"]
+        found = {"disk": disk["reason"]} if disk["state"] == "error" else {}
+        if object_problem is not None:
+            found["object"] = object_problem
+        console.print(f"node store up on node {stats['node_id']} (pid {stats['pid']}, epoch {stats['epoch']})", highlight=False)
         for line, ok in _tier_lines(config, found):
             console.print(f"  [{'green' if ok else 'bold red'}]{'ok ' if ok else 'FAILED'}[/] {line}", highlight=False)
-        problems += len(found)
+        problems += "disk" in found
     if problems and not allow_degraded:
         console.print(
             f"[bold red]{problems} configured tier(s) cannot work[/]; the store serves without them. "
@@ -130,6 +134,21 @@ def _up(config: KvstrataConfig, console: Console, allow_degraded: bool) -> int:
     return 0
 
 
+def _probe_object_store(config: KvstrataConfig) -> str | None:
+    """Why the configured object store cannot be written, or None. Probed once, from this
+    process: the bucket is shared, and a store actor busy with a probe against a slow or
+    black-holed endpoint would keep its engines' control calls waiting."""
+    if config.tiers.object is None:
+        return None
+    from kvstrata.tiers.object_store import ObjectTier
+
+    tier = ObjectTier(config.tiers.object)
+    try:
+        return tier.probe(f"up-{os.getpid()}")
+    finally:
+        tier.close()
+
+
 def _tier_lines(config: KvstrataConfig, problems: dict[str, str]) -> list[tuple[str, bool]]:
     tiers = config.tiers
     lines = [(f"cpu arena: {tiers.cpu.capacity:,} bytes in {tiers.cpu.shm_dir}", True)]
@@ -137,7 +156,7 @@ def _tier_lines(config: KvstrataConfig, problems: dict[str, str]) -> list[tuple[
         where = f"disk: {tiers.disk.path} ({tiers.disk.capacity:,} bytes, {tiers.disk.write_policy})"
         lines.append((f"{where}: {problems['disk']}" if "disk" in problems else where, "disk" not in problems))
     if tiers.object is not None:
-        where = f"object store: {tiers.object.write_policy}, written and read back a probe object"
+        where = f"object store: {tiers.object.write_policy}, a probe object written and deleted"
         lines.append((f"object store: {problems['object']}" if "object" in problems else where, "object" not in problems))
     return lines
 

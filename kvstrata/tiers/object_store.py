@@ -402,7 +402,7 @@ class ObjectTier:
             self.fs.pipe_file(path, b"kvstrata probe", **self._deadline)
             self.fs.rm_file(path, **self._deadline)
         except Exception as exc:  # noqa: BLE001 - any failure is the answer
-            return self._scrub(f"{self.config.url}: {type(exc).__name__}: {exc or 'no answer before the deadline'}")
+            return f"{self._scrub(self.config.url)}: {self._reason(exc)}"
         return None
 
     def stats(self) -> dict[str, object]:
@@ -526,7 +526,7 @@ class ObjectTier:
         return False
 
     def _failed(self, what: str, exc: Exception) -> None:
-        reason = self._scrub(f"{type(exc).__name__}: {exc or 'no answer before the deadline'}")
+        reason = self._reason(exc)
         with self._lock:
             self.counters["backoffs"] += 1
             self.counters["throttled"] += bool(THROTTLE_SIGNS.search(reason))
@@ -555,6 +555,10 @@ class ObjectTier:
             self._backoff = 0.0
             self._paused_until = 0.0
         logger.info("kvstrata object tier %s answers again", self.config.url)
+
+    def _reason(self, exc: Exception) -> str:
+        """What failed, for a log line or an operator: the exception, credentials scrubbed."""
+        return self._scrub(f"{type(exc).__name__}: {exc or 'no answer before the deadline'}")
 
     def _scrub(self, text: str) -> str:
         for secret in self._secrets:
