@@ -218,6 +218,19 @@ class ClusterConfig(_Strict):
     )
 
 
+class TenantQuota(_Strict):
+    """Bytes one tenant (a `namespace_prefix`) may hold in each tier; a tier left out is unbounded for it.
+
+    A ceiling enforced by eviction inside the tenant's own share (`kvstrata.tiers.quotas`).
+    """
+
+    cpu: ByteSize | None = Field(default=None, gt=0, description="arena bytes (segments) of the tenant's pools at most")
+    disk: ByteSize | None = Field(default=None, gt=0, description="disk bytes (records) of the tenant's slabs at most")
+    object: ByteSize | None = Field(
+        default=None, gt=0, description="bytes of the tenant's chunk objects at most, kept by each sweep"
+    )
+
+
 class KvstrataConfig(_Strict):
     namespace_prefix: str = Field(
         default="",
@@ -239,6 +252,14 @@ class KvstrataConfig(_Strict):
     cluster: ClusterConfig | None = Field(
         default=None, description="multi-node: directory and peer fetch (off: each node's store stands alone)"
     )
+    quotas: dict[Annotated[str, Field(max_length=128)], TenantQuota] = Field(
+        default_factory=dict,
+        description="per tenant (`namespace_prefix`): bytes it may hold in the arena, on disk and in the bucket",
+    )
+
+    def tier_quotas(self, tier: Literal["cpu", "disk", "object"]) -> dict[str, int]:
+        """Prefix -> bytes of the tenants with a quota in `tier` (what the tier enforces)."""
+        return {prefix: limit for prefix, quota in self.quotas.items() if (limit := getattr(quota, tier)) is not None}
 
 
 def _describe(error: Mapping[str, Any]) -> str:

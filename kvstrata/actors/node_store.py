@@ -86,6 +86,7 @@ class NodeStore(StoreControl):
             eviction_policy=cpu.eviction_policy,
             prefault=cpu.prefault,
             clock=clock,
+            quotas=self.config.tier_quotas("cpu"),
         )
         self._lock = threading.RLock()
         self._logs = {}
@@ -119,7 +120,7 @@ class NodeStore(StoreControl):
         self.object = None
         self._object_io = None
         if self.config.tiers.object is not None:
-            self.object = ObjectTier(self.config.tiers.object, clock=clock)
+            self.object = ObjectTier(self.config.tiers.object, clock=clock, quotas=self.config.tier_quotas("object"))
             # Batches queue here; each fans out over the tier's own max_concurrency threads.
             self._object_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-object-jobs")
         self.peers = None
@@ -153,6 +154,7 @@ class NodeStore(StoreControl):
                 direct_io=disk.direct_io,
                 eviction_policy=self.config.tiers.cpu.eviction_policy,
                 on_change=lambda namespace, keys, present: self._log(namespace).record_many(keys, STORAGE, present),
+                quotas=self.config.tier_quotas("disk"),
             )
         except DiskTierError as exc:
             # The engine keeps serving from the arena; the operator sees why in the log and stats.

@@ -68,6 +68,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 self.object.set_anchor_groups(namespace, anchors)
             if layout is not None:
                 self._note_layout(namespace, layout)
+                self._assign_tenant(namespace, str(layout.get("namespace_prefix", "")))
             self._refresh_object_index(namespace)
             self.arena.renew(holder)
             seq, changes = self._log(namespace).snapshot()
@@ -225,6 +226,15 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         elif model not in known["models"]:
             known["models"].append(model)
             logger.info("kvstrata node store: namespace %s also serves model %s (same identity)", namespace, model)
+
+    def _assign_tenant(self, namespace: str, tenant: str) -> None:
+        """Every tier learns the tenant (`namespace_prefix`) of a namespace, for its quotas,
+        before the namespace's first reservation can grow its share."""
+        self.arena.quotas.assign(namespace, tenant)
+        if self.disk is not None:
+            self.disk.set_tenant(namespace, tenant)
+        if self.object is not None:
+            self.object.set_tenant(namespace, tenant)
 
     def _pool(self, namespace: str, slot_bytes: int) -> SlotPool:
         known = namespace in self.arena.pools

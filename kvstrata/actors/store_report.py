@@ -84,6 +84,7 @@ def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[s
         "tiers": tiers,
         "namespaces": _namespaces(store, disk_stats["resident"] if disk_stats else {}),
         "engines": _engines(store),
+        "tenants": _tenants(store, disk_stats),
     }
 
 
@@ -183,6 +184,22 @@ def _namespaces(store: StoreState, disk_resident: dict[str, int]) -> dict[str, d
             },
         }
     return found
+
+
+def _tenants(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, dict[str, dict[str, int | None]]]:
+    """Per tenant (`namespace_prefix`) and tier: `used`, the bytes counted against its quota
+    (arena: its pools' segments; disk: its slabs' records; object: its objects as of the
+    last sweep plus this node's uploads since), and `quota` (None: none in that tier)."""
+    per_tier = {
+        "cpu": store.arena.quotas.usage(),
+        "disk": (disk_stats or {}).get("tenants", {}),
+        "object": store.object.quotas.usage() if store.object is not None else {},
+    }
+    tenants: dict[str, dict[str, dict[str, int | None]]] = {}
+    for tier, usage in per_tier.items():
+        for tenant, figures in usage.items():
+            tenants.setdefault(tenant, {})[tier] = figures
+    return dict(sorted(tenants.items()))
 
 
 def _engines(store: StoreState) -> dict[str, dict[str, Any]]:

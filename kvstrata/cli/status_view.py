@@ -44,6 +44,8 @@ def render_store(stats: Mapping[str, Any]) -> RenderableType:
     parts.extend(problems)
     if report["namespaces"]:
         parts.append(namespace_table(report["namespaces"]))
+    if any(tier.get("quota") is not None for tiers in report.get("tenants", {}).values() for tier in tiers.values()):
+        parts.append(tenant_table(report["tenants"]))
     parts.append(engine_table(report["engines"]))
     parts.append(Text(""))
     return Group(*parts)
@@ -84,6 +86,21 @@ def namespace_table(namespaces: Mapping[str, Mapping[str, Any]]) -> Table:
         chunks = info["chunks"]
         models = ", ".join(info["models"]) or "(no engine registered since start)"
         table.add_row(namespace, models, *(_count(chunks.get(tier, 0)) for tier in ("cpu", "disk", "object")))
+    return table
+
+
+def tenant_table(tenants: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Table:
+    """Bytes each tenant holds per tier against its quota (`quotas:`); `∞`: no quota there."""
+    table = Table(title="tenants (used / quota per tier)", title_justify="left")
+    table.add_column("tenant (namespace_prefix)")
+    for tier in ("cpu", "disk", "object"):
+        table.add_column(tier, justify="right")
+    for tenant, tiers in tenants.items():
+        cells = []
+        for tier in ("cpu", "disk", "object"):
+            figures = tiers.get(tier)
+            cells.append("" if figures is None else f"{_bytes(figures['used'])} / {_bytes(figures['quota'])}")
+        table.add_row(tenant or "(empty prefix)", *cells)
     return table
 
 

@@ -31,6 +31,7 @@ from kvstrata.keys import key_name
 from kvstrata.tiers.leases import LeaseTable
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
 from kvstrata.tiers.positions import Positions
+from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.reuse import DeferredReuse
 from kvstrata.tiers.shm import SharedMemoryFile
 
@@ -184,8 +185,9 @@ class SlotPool:
 
     @property
     def max_slots(self) -> int:
-        """Slots this pool could have if it had the whole arena budget."""
-        return max(1, self.arena.capacity // self.geometry.slot_bytes)
+        """Slots this pool could have if it had the whole arena budget (its tenant's quota)."""
+        quota = self.arena.quotas.limit(self.namespace)
+        return max(1, min(self.arena.capacity, quota or self.arena.capacity) // self.geometry.slot_bytes)
 
     def release(self, holder: str, slots: Iterable[int]) -> None:
         """Return reserved slots that will not be written (failed or unused stores)."""
@@ -422,14 +424,14 @@ class SlotPool:
         if self.arena.clock() < self._grow_retry_at:
             return False
         segment_index = len(self.segments)
-        slots = self.arena.grant_slots(self.geometry.slot_bytes, self.geometry.slots_per_segment)
+        slots = self.arena.grant_slots(self.geometry.slot_bytes, self.geometry.slots_per_segment, self.namespace)
         if slots == 0:
             return False
         path = self.geometry.segment_path(segment_index)
         try:
             segment = SharedMemoryFile.create(path, slots * self.geometry.slot_bytes, prefault=self.arena.prefault)
         except OSError as exc:
-            self.arena.return_slots(self.geometry.slot_bytes, slots)
+            self.arena.return_slots(self.geometry.slot_bytes, slots, self.namespace)
             self.counters["grow_failures"] += 1
             self._grow_retry_at = self.arena.clock() + GROW_RETRY_SECONDS
             if self.counters["grow_failures"] == 1:
@@ -459,6 +461,7 @@ class Arena:
         eviction_policy: str = "lru",
         prefault: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        quotas: dict[str, int] | None = None,
     ):
         if capacity <= 0:
             raise ValueError(f"tiers.cpu.capacity must be positive, got {capacity}")
@@ -475,6 +478,8 @@ class Arena:
         self.leases = LeaseTable(lease_seconds, clock)
         self.clock = clock
         self._allocated = 0
+        # Segment bytes per tenant: a pool at its tenant's quota evicts its own chunks.
+        self.quotas = TenantQuotas(quotas)
         self.pools: dict[str, SlotPool] = {}
         # Files of a previous store on this node: unlinked once every lease it granted
         # has run out, so in-flight loads of its engines still find their bytes.
@@ -516,17 +521,23 @@ class Arena:
         )
         return pool
 
-    def grant_slots(self, slot_bytes: int, wanted: int) -> int:
-        """How many slots of this size a new segment may have within the budget (0 = none)."""
+    def grant_slots(self, slot_bytes: int, wanted: int, namespace: str = "") -> int:
+        """How many slots of this size a new segment may have within the budget and the
+        namespace's tenant quota (0 = none)."""
         slots = min(wanted, (self.capacity - self._allocated) // slot_bytes)
+        room = self.quotas.room(namespace)
+        if room is not None:
+            slots = min(slots, room // slot_bytes)
         if slots <= 0:
             return 0
         self._allocated += slots * slot_bytes
+        self.quotas.charge(namespace, slots * slot_bytes)
         return slots
 
-    def return_slots(self, slot_bytes: int, slots: int) -> None:
+    def return_slots(self, slot_bytes: int, slots: int, namespace: str = "") -> None:
         """Give back budget granted for a segment that could not be created."""
         self._allocated -= slots * slot_bytes
+        self.quotas.charge(namespace, -slots * slot_bytes)
 
     def renew(self, holder: str) -> None:
         self.leases.renew(holder)
@@ -561,6 +572,7 @@ class Arena:
             "epoch": self.epoch,
             "capacity": self.capacity,
             "allocated": self._allocated,
+            "tenants": self.quotas.usage(),
             "holders": self.leases.holders(),
             "pools": {namespace: pool.stats() for namespace, pool in self.pools.items()},
         }
@@ -573,3 +585,4 @@ class Arena:
             pool.close()
         self.pools.clear()
         self._allocated = 0
+        self.quotas.reset()

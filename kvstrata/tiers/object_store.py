@@ -55,6 +55,7 @@ from kvstrata.config import ObjectTierConfig
 from kvstrata.keys import key_name, make_key
 from kvstrata.tiers.object_clients import open_chunk_client
 from kvstrata.tiers.positions import Positions
+from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.records import HEADER_BYTES, record_matches, seal_header
 
 logger = logging.getLogger(__name__)
@@ -180,8 +181,11 @@ class ObjectTier:
         clock: Callable[[], float] = time.monotonic,
         filesystem: tuple[fsspec.AbstractFileSystem, str] | None = None,
         wall_clock: Callable[[], float] = time.time,
+        quotas: Mapping[str, int] | None = None,
     ):
         self.config = config
+        # Object bytes per tenant, from each sweep's listing plus this node's uploads since.
+        self.quotas = TenantQuotas(quotas)
         self.fs, self.root = filesystem or open_filesystem(config)
         self._clock = clock
         self._wall_clock = wall_clock
@@ -216,6 +220,7 @@ class ObjectTier:
             "expired": 0,
             "evicted": 0,
             "evicted_with_anchor": 0,
+            "evicted_over_quota": 0,  # a tenant's oldest objects, beyond its quota
             "backoffs": 0,  # failures that paused (or kept pausing) the tier
             "throttled": 0,  # failures that were the server saying "slow down" (503/429)
         }
@@ -314,6 +319,14 @@ class ObjectTier:
         dependents = [d for e in expired for d in positions.take(e)]
         gone = {e.path for e in expired + dependents}
         entries = [e for e in entries if e.path not in gone]
+        over: list[ObjectEntry] = []  # each tenant beyond its quota loses its own oldest, nobody else's
+        if self.quotas.limits:
+            self.quotas.learn({e.namespace for e in entries}, self._manifest_prefix)
+            over = self.quotas.over_quota(sorted(entries, key=lambda e: e.written_at), lambda e: e.namespace, lambda e: e.size)
+            gone |= {e.path for e in over}
+            dependents += [d for e in over for d in positions.take(e) if d.path not in gone]
+            gone |= {d.path for d in dependents}
+            entries = [e for e in entries if e.path not in gone]
         evicted: list[ObjectEntry] = []
         if capacity is not None:
             total = sum(e.size for e in entries)
@@ -331,28 +344,39 @@ class ObjectTier:
                         gone.add(dependent.path)
                         total -= dependent.size
             entries = [e for e in entries if e.path not in gone]
-        doomed = expired + evicted + dependents
+        doomed = expired + over + evicted + dependents
         if not doomed:
-            return entries
+            return self.quotas.recount(entries, lambda e: e.namespace, lambda e: e.size)
         try:
             self.fs.rm([e.path for e in doomed], **self._deadline)
         except FileNotFoundError:
             pass  # another node's sweep got there first
         except Exception as exc:  # noqa: BLE001 - kept objects stay valid; the next sweep tries again
             self._failed("sweep", exc)
-            return entries + doomed
+            return self.quotas.recount(entries + doomed, lambda e: e.namespace, lambda e: e.size)
+        self.quotas.recount(entries, lambda e: e.namespace, lambda e: e.size)
         with self._lock:
             self.counters["expired"] += len(expired)
+            self.counters["evicted_over_quota"] += len(over)
             self.counters["evicted"] += len(evicted)
             self.counters["evicted_with_anchor"] += len(dependents)
         logger.info(
             "kvstrata object tier %s: swept %d expired and %d over-capacity chunk objects (%d more left without their anchor)",
             self._scrub(self.config.url),
             len(expired),
-            len(evicted),
+            len(evicted) + len(over),
             len(dependents),
         )
         return entries
+
+    def set_tenant(self, namespace: str, tenant: str) -> None:
+        """The tenant (`namespace_prefix`) a namespace belongs to, for its quota (`TenantQuotas`)."""
+        self.quotas.assign(namespace, tenant)
+
+    def _manifest_prefix(self, namespace: str) -> str:
+        """The tenant of a namespace another node registered: its manifest's `namespace_prefix`."""
+        manifest = json.loads(self.fs.cat_file(f"{self.root}/{namespace}/{MANIFEST}", **self._deadline))
+        return str(manifest["layout"].get("namespace_prefix", ""))
 
     def purge(self, namespace: str) -> int:
         """Delete a namespace's chunks and manifest; returns how many chunks went."""
@@ -468,6 +492,7 @@ class ObjectTier:
             self._failed("upload", exc)
             return False
         batch.settle(index)
+        self.quotas.charge(namespace, len(body))
         self._count("puts", payload.nbytes)  # landed, even if its caller stopped waiting
         self._succeeded()
         return True

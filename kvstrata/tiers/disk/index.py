@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,7 @@ from kvstrata.tiers.disk.slab import (
     payload_alignment,
 )
 from kvstrata.tiers.policies import make_policy
+from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader
 
 logger = logging.getLogger(__package__)  # the tier logs under one name, "kvstrata.tiers.disk"
@@ -65,6 +66,7 @@ class SlabIndex:
         direct_io: bool,
         eviction_policy: str,
         on_change: Callable[[str, list[bytes], bool], None] | None,
+        quotas: Mapping[str, int] | None = None,
     ):
         """An index of what `root` holds (its directory is created and locked by the caller)."""
         self.root = root
@@ -76,6 +78,8 @@ class SlabIndex:
         self._slabs: dict[str, _Slab] = {}
         self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
         self._allocated = 0
+        # Allocated bytes per tenant: a slab at its tenant's quota evicts its own records.
+        self.quotas = TenantQuotas(quotas)
         self.counters = {
             "stored": 0,
             "read": 0,
@@ -132,20 +136,30 @@ class SlabIndex:
         """
         if self._allocated + slab.record_cost > self.capacity:
             self._reclaim_reserved(slab)
+        room = self.quotas.room(slab.namespace)
+        if room is not None and room < slab.record_cost:  # the tenant's own spare reservations first
+            self._reclaim_reserved(slab, tenant=self.quotas.tenant(slab.namespace))
+            room = self.quotas.room(slab.namespace)
         spare = (self.capacity - self._allocated) // slab.record_cost
+        if room is not None:
+            spare = min(spare, room // slab.record_cost)
         if spare < 1:
             return False
         step = min(max(GROW_MIN_BYTES, slab.reserved_end * slab.record_cost // 4), GROW_MAX_BYTES)
         extra = min(spare, max(1, step // slab.record_cost))
         slab.reserved_end += extra
         self._allocated += extra * slab.record_cost
+        self.quotas.charge(slab.namespace, extra * slab.record_cost)
         return True
 
-    def _reclaim_reserved(self, asking: _Slab) -> None:
-        """Give back the never-used records other slabs reserved (truncating their files)."""
+    def _reclaim_reserved(self, asking: _Slab, tenant: str | None = None) -> None:
+        """Give back the never-used records other slabs reserved (truncating their files);
+        with `tenant`, only that tenant's slabs'."""
         for slab in self._slabs.values():
             unused = slab.reserved_end - slab.num_records
             if slab is asking or unused <= 0 or slab.growing:
+                continue
+            if tenant is not None and self.quotas.tenant(slab.namespace) != tenant:
                 continue
             try:
                 slab.truncate(slab.num_records)
@@ -154,6 +168,7 @@ class SlabIndex:
                 continue
             slab.reserved_end = slab.num_records
             self._allocated -= unused * slab.record_cost
+            self.quotas.charge(slab.namespace, -unused * slab.record_cost)
             logger.info(
                 "kvstrata disk tier: %d reserved records of namespace %s given back for namespace %s",
                 unused, slab.namespace, asking.namespace,
@@ -256,6 +271,7 @@ class SlabIndex:
             slab.num_records = last + 1  # the empty records after the last chunk stay reserved
             slab.free = [record for record in empty if record < slab.num_records]
             self._allocated += slab.reserved_end * slab.record_cost
+            self.quotas.charge(namespace, slab.reserved_end * slab.record_cost)
             if slab.index:
                 logger.info("kvstrata disk tier: recovered %d chunks of namespace %s from %s", len(slab.index), namespace, path)
 

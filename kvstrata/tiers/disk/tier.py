@@ -20,7 +20,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,6 +50,7 @@ class DiskTier(SlabIndex):
         direct_io: bool = True,
         eviction_policy: str = "lru",
         on_change: Callable[[str, list[bytes], bool], None] | None = None,
+        quotas: Mapping[str, int] | None = None,
     ):
         if capacity <= 0:
             raise DiskTierError(f"tiers.disk.capacity must be positive, got {capacity}")
@@ -69,7 +70,7 @@ class DiskTier(SlabIndex):
         self._digests = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="kvstrata-disk-digest")
         self._spare = _SpareBuffers()
         self.admitting = True
-        super().__init__(root, capacity, direct_io, eviction_policy, on_change)  # recovers what is on disk
+        super().__init__(root, capacity, direct_io, eviction_policy, on_change, quotas)  # recovers what is on disk
 
     # --- public ----------------------------------------------------------------------
 
@@ -85,6 +86,11 @@ class DiskTier(SlabIndex):
                 slab.positions.set_anchor_groups(groups)
             elif groups is not None:
                 self._anchor_groups.setdefault(namespace, groups)
+
+    def set_tenant(self, namespace: str, tenant: str) -> None:
+        """The tenant (`namespace_prefix`) a namespace belongs to, for its quota (`TenantQuotas`)."""
+        with self._lock:
+            self.quotas.assign(namespace, tenant)
 
     def contains(self, namespace: str, key: bytes) -> bool:
         with self._lock:
@@ -263,6 +269,7 @@ class DiskTier(SlabIndex):
                 "path": str(self.root),
                 "capacity": self.capacity,
                 "allocated": self._allocated,  # record space set aside in the slab files
+                "tenants": self.quotas.usage(),  # allocated bytes per tenant, against its quota
                 # bytes the resident records take (what status calls `used`)
                 "stored_bytes": sum(len(slab.index) * record_disk_bytes(slab.payload_bytes) for slab in self._slabs.values()),
                 "admitting": self.admitting,
