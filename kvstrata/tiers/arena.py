@@ -12,7 +12,9 @@ Invariants the rest of the system relies on:
   before its pin reached the store still reads its chunk's bytes.
 - Segments are named with the arena's epoch, so a restarted store never hands out a
   file that a worker of the previous store still has mapped under the same name.
-- The arena never shrinks while it lives; budget is shared by all namespaces.
+- The arena never shrinks while it lives; budget is shared by all namespaces, and a
+  tenant's pools never grow past its quota (`kvstrata.tiers.quotas`): at it they evict
+  their own chunks, never another tenant's.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ Invariants:
   until the rest fit. S3 keeps no access times, so this is FIFO by write time, not LRU;
   between sweeps the bound can be exceeded by what was uploaded since the last one.
   Several nodes sweeping at once delete the same objects: deletes are idempotent.
+  A tenant's quota (`quotas:`) is kept the same way, on that tenant's objects only.
 - Credentials come from `storage_options` or the standard chain and are never logged:
   error texts are scrubbed of every credential value before they reach a log line.
 

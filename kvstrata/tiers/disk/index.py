@@ -10,6 +10,8 @@ Invariants:
   with it held (or from `__init__`, before any other thread knows the tier).
 - Allocated records (payload and header) never exceed `capacity` bytes; LRU records make
   room. Records with an I/O in flight are never evicted or reused.
+- A tenant's slabs never grow past its quota (`kvstrata.tiers.quotas`): at it a slab
+  evicts its own records, never another tenant's.
 - Every index change is announced while the lock is held, in the order of the changes.
 - At start-up the index is what the header files say; a record whose header does not
   parse, or names another namespace or a key seen before, is free. Slab files of the
