@@ -389,6 +389,7 @@ class ObjectTier:
         except Exception as exc:  # noqa: BLE001
             self._failed("purge", exc)
             return 0
+        self.quotas.drop(namespace)
         return len(keys)
 
     # --- manifests -----------------------------------------------------------------------

@@ -76,6 +76,10 @@ class TenantQuotas:
             if tenant is not None:
                 self._used[tenant] = self._used.get(tenant, 0) + nbytes
 
+    def drop(self, namespace: str) -> None:
+        """The namespace holds nothing in the tier any more (purged)."""
+        self.charge(namespace, -self._held.get(namespace, 0))
+
     def reset(self, held: Mapping[str, int] | None = None) -> None:
         """Start the count again from what each namespace holds now (a tier's full listing
         or its close); tenants stay assigned."""

@@ -290,6 +290,8 @@ def test_a_sweep_deletes_a_tenants_own_oldest_objects_beyond_its_quota(bucket):
         assert len(kept) == 9 and tier.counters["evicted_over_quota"] == 2
         assert tier.quotas.usage()["a"] == {"used": 3 * OBJECT, "quota": 3 * OBJECT}
         assert tier.apply_limits(tier.scan()) == kept  # within quota: nothing more goes
+        tier.purge("ns-a")
+        assert tier.quotas.used("a") == 0 and tier.quotas.used("b") == 2 * OBJECT
     finally:
         tier.close()
 
