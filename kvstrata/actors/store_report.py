@@ -127,7 +127,7 @@ def _object_report(store: StoreState) -> TierReport:
         "chunks": chunks,
         "hits": counters["object_promotions"],
         "misses": counters["object_promotion_failures"],
-        "evicted": stats["evicted"] + stats["expired"],
+        "evicted": stats["evicted"] + stats["expired"] + stats.get("evicted_over_quota", 0),
         "dropped": counters["object_uploads_dropped"] + stats["skipped_while_paused"],
         "failed": stats["put_failures"] + stats["get_failures"],
         "corrupt": stats["corrupt_chunks"],

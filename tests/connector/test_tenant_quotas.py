@@ -49,6 +49,7 @@ def flood_then_count_b_hits(tmp_path, quotas: bool) -> tuple[int, NodeStore]:
     ]
     a, b = managers
     try:
+        assert a.wait_idle(10) and b.wait_idle(10)  # registered, with a stock of slots
         assert a.namespace != b.namespace
         b_keys = [key(1000 + i) for i in range(16)]
         for round_ in range(4):
@@ -89,4 +90,42 @@ def test_without_quotas_the_flood_takes_the_other_tenants_room(tmp_path):
         Console(file=table, width=160).print(render_status([store.stats()]))
         assert "tenants (used / quota" not in table.getvalue()  # no quota anywhere: no table
     finally:
+        store.close()
+
+
+def test_the_store_tells_disk_and_bucket_each_namespaces_tenant_and_they_keep_its_quota(tmp_path, memory_bucket):
+    """Through the store (registration assigns tenants): A's flood written through to disk
+    and the bucket stays within A's quotas there; every chunk of B stays on disk and in the bucket."""
+    record = 2 * SLOT  # a 4 KiB payload and its 4 KiB header, on disk and as an object
+    cfg = config(tmp_path, quotas=True)  # with A's arena quota, so B's stores get slots
+    cfg["tiers"]["disk"] = {"path": str(tmp_path / "disk"), "capacity": "64MiB", "direct_io": False}
+    cfg["tiers"]["object"] = {"url": memory_bucket, "index_refresh_seconds": 60}
+    cfg["quotas"]["tenant-a"].update(disk=6 * record, object=5 * record)
+    clock = FakeClock()
+    store = NodeStore(cfg, "node0", clock=clock)
+    parsed = load_config(cfg)
+    a, b = [
+        StrataManager(LocalStoreClient(store), layout(worker_bytes=SLOT, prefix=prefix), parsed, holder, enable_events=False)
+        for prefix, holder in (("tenant-a", "engine-a"), ("tenant-b", "engine-b"))
+    ]
+    try:
+        assert a.wait_idle(10) and b.wait_idle(10)
+        b_keys = [key(1000 + i) for i in range(8)]
+        for i in range(0, 8, 2):
+            store_keys(b, b_keys[i : i + 2])
+            for j in range(0, 12, 2):
+                store_keys(a, [key(i * 12 + j), key(i * 12 + j + 1)])
+                assert store.wait_io(10)
+        clock.advance(61)  # the next step sweeps the bucket
+        step(a)
+        assert store.wait_io(10)
+        tenants = store.stats()["report"]["tenants"]
+        assert tenants["tenant-a"]["disk"] == {"used": 6 * record, "quota": 6 * record}
+        assert tenants["tenant-a"]["object"] == {"used": 5 * record, "quota": 5 * record}
+        assert len(store.disk.keys(a.namespace)) == 6 and len(store.object.list_keys(a.namespace)) == 5
+        assert set(store.disk.keys(b.namespace)) == set(b_keys)
+        assert store.object.list_keys(b.namespace) == set(b_keys)
+    finally:
+        a.shutdown()
+        b.shutdown()
         store.close()
