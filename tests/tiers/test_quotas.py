@@ -35,6 +35,7 @@ def test_quotas_parse_per_tenant_and_tier_and_refuse_what_they_cannot_mean():
     assert cfg.tier_quotas("disk") == {"": 5 << 20}
     assert cfg.tier_quotas("object") == {"tenant-a": 2 * 10**9}
     assert load_config(None).tier_quotas("cpu") == {}
+    assert load_config(cfg.model_dump()) == cfg  # how `kvstrata up` hands the store actor its config
     for bad, named in [
         ({"quotas": {"a": {"gpu": "1GiB"}}}, "quotas.a.gpu: unknown key"),
         ({"quotas": {"a": {"cpu": 0}}}, "quotas.a.cpu"),
