@@ -17,7 +17,6 @@ Invariants the rest of the system relies on:
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import secrets
@@ -29,6 +28,7 @@ import numpy as np
 
 from kvstrata.keys import key_name
 from kvstrata.tiers.leases import LeaseTable
+from kvstrata.tiers.orphans import Reclaimed, log_reclaimed, orphan_candidates, reclaim
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
 from kvstrata.tiers.positions import Positions
 from kvstrata.tiers.reuse import DeferredReuse
@@ -476,14 +476,12 @@ class Arena:
         self.clock = clock
         self._allocated = 0
         self.pools: dict[str, SlotPool] = {}
-        # Files of a previous store on this node: unlinked once every lease it granted
-        # has run out, so in-flight loads of its engines still find their bytes.
-        self._stale = [
-            path
-            for path in glob.glob(os.path.join(shm_dir, f"{FILE_PREFIX}-{node_tag}-*"))
-            if f"-{self.epoch}-" not in path
-        ]
+        # Segments no live store holds (this node's previous store, a dead cluster's, a
+        # simulated node's): unlinked once every lease their store granted has run out, so
+        # in-flight loads of its engines still find their bytes; locks checked again then.
+        self._stale = orphan_candidates(shm_dir, f"{FILE_PREFIX}-*")
         self._stale_deadline = clock() + lease_seconds
+        self.reclaimed = Reclaimed()  # what this arena unlinked of dead stores
 
     @property
     def allocated_bytes(self) -> int:
@@ -542,12 +540,9 @@ class Arena:
         return expired
 
     def _remove_stale(self) -> None:
-        for path in self._stale:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        logger.info("kvstrata arena: removed %d segments of a previous store", len(self._stale))
+        found = reclaim(self._stale)
+        log_reclaimed(found, self.shm_dir, f"found at store start, unlinked after a lease of {self.leases.duration_s:g}s")
+        self.reclaimed.add(found)
         self._stale = []
 
     def release_holder(self, holder: str) -> None:
@@ -562,6 +557,7 @@ class Arena:
             "capacity": self.capacity,
             "allocated": self._allocated,
             "holders": self.leases.holders(),
+            "orphans_reclaimed": {"files": len(self.reclaimed.files), "bytes": self.reclaimed.bytes},
             "pools": {namespace: pool.stats() for namespace, pool in self.pools.items()},
         }
 
