@@ -196,6 +196,7 @@ class NodeStore(StoreControl):
 
     def stats(self) -> dict[str, object]:
         with self._lock:
+            self.arena.reclaim_due_orphans()
             disk_stats = self.disk.stats() if self.disk else None
             disk = disk_stats or ({"error": self.disk_error} if self.disk_error else None)
             return {

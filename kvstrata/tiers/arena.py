@@ -535,9 +535,14 @@ class Arena:
         for holder in expired:
             dropped = sum(pool.drop_holder(holder) for pool in self.pools.values())
             logger.warning("kvstrata arena: lease of %s expired; released %d slots", holder, dropped)
+        self.reclaim_due_orphans()
+        return expired
+
+    def reclaim_due_orphans(self) -> None:
+        """Unlink the dead stores' segments found at start once their lease ran out (also called
+        by the store's `stats`, so a store no engine talks to still frees them)."""
         if self._stale and self.clock() >= self._stale_deadline:
             self._remove_stale()
-        return expired
 
     def _remove_stale(self) -> None:
         found = reclaim(self._stale)

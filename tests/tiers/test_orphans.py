@@ -182,3 +182,45 @@ def test_a_closed_segment_leaves_no_lock_behind(shm_dir):
     assert segment.lock_fd >= 0
     segment.close()
     assert segment.lock_fd == -1 and not (shm_dir / "kvstrata-own").exists()
+
+
+_DISK_STORE = """
+import sys
+from kvstrata.tiers.disk import DiskTier
+tier = DiskTier(sys.argv[1], 1 << 20, direct_io=False)
+print("open", flush=True)
+sys.stdin.read()
+tier.close()
+"""
+
+
+def _disk_store(directory: Path) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _DISK_STORE, str(directory)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert process.stdout.readline().strip() == "open"
+    return process
+
+
+def test_a_dead_stores_disk_directory_is_taken_over_and_a_live_ones_refused(tmp_path, caplog):
+    from kvstrata.tiers.disk import DiskTier, DiskTierError
+
+    live_dir, dead_dir = tmp_path / "live", tmp_path / "dead"
+    live, dead = _disk_store(live_dir), _disk_store(dead_dir)
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(timeout=30)
+        with pytest.raises(DiskTierError, match="in use by another kvstrata store"):
+            DiskTier(live_dir, 1 << 20, direct_io=False)
+        with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.disk"):
+            tier = DiskTier(dead_dir, 1 << 20, direct_io=False)
+        assert tier.stats()["lock_taken_over"] == 1
+        assert any(f"pid {dead.pid}" in record.getMessage() for record in caplog.records)
+        tier.close()
+        again = DiskTier(dead_dir, 1 << 20, direct_io=False)  # closed cleanly: nothing to take over
+        assert again.stats()["lock_taken_over"] == 0
+        again.close()
+    finally:
+        live.stdin.close()
+        live.wait(timeout=30)
