@@ -47,6 +47,31 @@ MAX_VALUES = 100_000
 MAX_DEPTH = 32
 
 
+# `storage_options` keys whose values are credentials, wherever they nest (`key`, `secret`,
+# `aws_session_token`, Azure's `account_key` and `sas_token`, `password`, `credentials`, ...):
+# never in a log line, an exception, `kvstrata status`, a metric or an actor's arguments.
+SECRET_OPTION = re.compile(r"key|secret|token|passw|credential|username", re.IGNORECASE)
+
+
+def is_secret_option(name: object) -> bool:
+    return isinstance(name, str) and SECRET_OPTION.search(name) is not None
+
+
+def secret_values(options: Any) -> list[str]:
+    """The values of secret-named entries in `storage_options`, at any depth (as text)."""
+    found: list[str] = []
+    todo = [options]
+    while todo:
+        value = todo.pop()
+        items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
+        for name, item in items:
+            if isinstance(item, (Mapping, list)):
+                todo.append(item)
+            elif is_secret_option(name) and item not in (None, "", True, False):
+                found.append(str(item))
+    return found
+
+
 class ConfigError(ValueError):
     """A tier configuration that cannot be used; the message names file, key and reason."""
 
@@ -164,6 +189,21 @@ class ObjectTierConfig(_Strict):
         description="client of chunk PUTs and GETs: auto = pyarrow's S3 client for s3:// when the options "
         "allow, else fsspec (listing, manifests and removals always use fsspec)",
     )
+
+
+    def __repr_args__(self) -> Any:
+        """A config printed or logged shows which options are set, never a credential's value."""
+        for name, value in super().__repr_args__():
+            yield name, (_masked(value) if name == "storage_options" else value)
+
+
+def _masked(options: Any) -> Any:
+    if isinstance(options, Mapping):
+        return {name: "***" if is_secret_option(name) and not isinstance(value, (Mapping, list)) else _masked(value)
+                for name, value in options.items()}  # fmt: skip
+    if isinstance(options, list):
+        return [_masked(value) for value in options]
+    return options
 
 
 class TiersConfig(_Strict):
