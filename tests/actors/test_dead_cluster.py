@@ -148,7 +148,9 @@ def test_a_sigkilled_cluster_leaves_nothing_the_next_store_does_not_reclaim(plac
     assert survivors == live_segments
 
 
-def test_kvstrata_down_with_no_cluster_left_reclaims_and_spares_a_live_store(places, monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("command,exit_code", [("down", 0), ("up", 2)])
+def test_kvstrata_up_and_down_reclaim_at_once_and_spare_a_live_store(command, exit_code, places, monkeypatch, tmp_path, capsys):
+    """`down` with no Ray cluster left reclaims and exits 0; `up` reclaims before it looks for a cluster."""
     shm, scratch = places
     config = store_config(shm, 8 * SLOT, segment_size=4 * SLOT)
     dead = subprocess.Popen(
@@ -173,9 +175,9 @@ def test_kvstrata_down_with_no_cluster_left_reclaims_and_spares_a_live_store(pla
 
         # Never join whichever cluster runs on this machine: the cluster here is dead.
         monkeypatch.setattr("kvstrata.actors.client.join_cluster", no_cluster)
-        assert cli.main(["down", "--config", str(path)]) == 0
+        assert cli.main([command, "--config", str(path)]) == exit_code
         out = capsys.readouterr().out
-        assert "no kvstrata store to take down" in out
+        assert command == "up" or "no kvstrata store to take down" in out
         assert "reclaimed 1 segment(s)" in out and "bytes freed" in out
         assert not dead_segment.exists()
         assert all(path.exists() for path in live_segments)
