@@ -8,13 +8,16 @@ a traceback.
 
 from __future__ import annotations
 
+import math
 import re
+import threading
 from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 _UNITS = {
     "": 1,
@@ -33,6 +36,40 @@ _UNITS = {
     "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+# Bounds every setting must keep (found by tests/test_config_properties.py): byte counts and
+# integers fit a signed 64-bit value (file offsets, Prometheus floats), and numbers of seconds
+# fit what a Python wait accepts (`threading.TIMEOUT_MAX`: a longer one is an OverflowError).
+MAX_INTEGER = 2**63 - 1
+MAX_NUMBER = float(threading.TIMEOUT_MAX)
+# A document expanding to more than this (YAML aliases repeating aliases, a "billion laughs")
+# or nesting deeper is refused before anything walks it.
+MAX_VALUES = 100_000
+MAX_DEPTH = 32
+
+
+# `storage_options` keys whose values are credentials, wherever they nest (`key`, `secret`,
+# `aws_session_token`, Azure's `account_key` and `sas_token`, `password`, `credentials`, ...):
+# never in a log line, an exception, `kvstrata status`, a metric or an actor's arguments.
+SECRET_OPTION = re.compile(r"key|secret|token|passw|credential|username", re.IGNORECASE)
+
+
+def is_secret_option(name: object) -> bool:
+    return isinstance(name, str) and SECRET_OPTION.search(name) is not None
+
+
+def secret_values(options: Any) -> list[str]:
+    """The values of secret-named entries in `storage_options`, at any depth (as text)."""
+    found: list[str] = []
+    todo = [options]
+    while todo:
+        value = todo.pop()
+        items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
+        for name, item in items:
+            if isinstance(item, (Mapping, list)):
+                todo.append(item)
+            elif is_secret_option(name) and item not in (None, "", True, False):
+                found.append(str(item))
+    return found
 
 
 class ConfigError(ValueError):
@@ -47,11 +84,15 @@ def parse_size(value: Any) -> int:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= 64:
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise ValueError(f"expected a size such as '4GiB' or '512MB', got {value!r}")
+            try:  # exact: a float would round `12345678901234567891` and overflow on 400 digits
+                return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
+            except InvalidOperation:
+                pass
+    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+    raise ValueError(f"expected a size such as '4GiB' or '512MB', got {shown}")
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
@@ -59,6 +100,18 @@ ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _within_bounds(cls, value: Any) -> Any:
+        """No setting is infinite, NaN, or beyond what the code that reads it can hold."""
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and abs(value) > MAX_INTEGER:
+            raise ValueError(f"must be at most {MAX_INTEGER} (2**63 - 1)")
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_NUMBER):
+            raise ValueError(f"must be a finite number at most {MAX_NUMBER:.0f}")
+        return value
 
 
 class CpuTierConfig(_Strict):
@@ -136,6 +189,21 @@ class ObjectTierConfig(_Strict):
         description="client of chunk PUTs and GETs: auto = pyarrow's S3 client for s3:// when the options "
         "allow, else fsspec (listing, manifests and removals always use fsspec)",
     )
+
+
+    def __repr_args__(self) -> Any:
+        """A config printed or logged shows which options are set, never a credential's value."""
+        for name, value in super().__repr_args__():
+            yield name, (_masked(value) if name == "storage_options" else value)
+
+
+def _masked(options: Any) -> Any:
+    if isinstance(options, Mapping):
+        return {name: "***" if is_secret_option(name) and not isinstance(value, (Mapping, list)) else _masked(value)
+                for name, value in options.items()}  # fmt: skip
+    if isinstance(options, list):
+        return [_masked(value) for value in options]
+    return options
 
 
 class TiersConfig(_Strict):
@@ -269,11 +337,32 @@ def _describe(error: Mapping[str, Any]) -> str:
     return f"{loc}: {error.get('msg', 'invalid value')}"
 
 
+def _check_size(data: Any, source: str) -> None:
+    """Refuse a document that nests deeper than MAX_DEPTH or expands to more than MAX_VALUES
+    values, naming the key where it does; the walk itself stops there, so it is bounded."""
+    budget = MAX_VALUES
+    todo: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while todo:
+        value, path = todo.pop()
+        budget -= 1
+        where = ".".join(path[:MAX_DEPTH]) or "<root>"
+        if budget < 0 or len(path) > MAX_DEPTH:
+            raise ConfigError(
+                f"{source}: {where}: the document nests deeper than {MAX_DEPTH} levels or holds more than "
+                f"{MAX_VALUES:,} values (YAML aliases that repeat aliases, or one that contains itself?)"
+            )
+        if isinstance(value, Mapping):
+            todo.extend((item, (*path, str(name))) for name, item in value.items())
+        elif isinstance(value, (list, tuple)):
+            todo.extend((item, (*path, str(n))) for n, item in enumerate(value))
+
+
 def _validate(data: Any, source: str) -> KvstrataConfig:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    _check_size(data, source)
     try:
         return KvstrataConfig.model_validate(dict(data))
     except ValidationError as exc:
@@ -297,11 +386,34 @@ def load_config(source: str | Path | Mapping[str, Any] | KvstrataConfig | None) 
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the kvstrata config ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: malformed YAML: nested too deeply") from None
+    except ValueError as exc:  # PyYAML's int() of a number beyond Python's digit limit
+        raise ConfigError(f"{path}: malformed YAML: {str(exc)[:200]}") from None
     return _validate(data, str(path))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last
+    without a word, so a limit set twice would lose the first silently."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key = self.construct_scalar(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice in one mapping", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)

@@ -16,6 +16,7 @@ from typing import Any
 from kvstrata.actors.node_store import NodeStore
 from kvstrata.actors.options import STORE_NAMESPACE, node_store_options, store_actor_name
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.actors.secrets import stash_secrets
 from kvstrata.config import KvstrataConfig
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def ensure_node_store(config: KvstrataConfig, node_id: str | None = None) -> Any
     node_id = node_id or current_node_id()
     actor_cls = ray.remote(NodeStore)
     options = node_store_options(node_id, config.ray.store_num_cpus)
-    return actor_cls.options(**options).remote(config.model_dump(), node_id)
+    return actor_cls.options(**options).remote(stash_secrets(config), node_id)  # credentials: not as arguments
 
 
 def get_node_store(node_id: str | None = None) -> Any:

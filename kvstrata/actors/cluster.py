@@ -19,6 +19,7 @@ from typing import Any
 from kvstrata.actors.client import StoreUnavailable, ensure_node_store, get_node_store, shutdown_node_store
 from kvstrata.actors.directory import directory_actor_name, directory_shard
 from kvstrata.actors.options import STORE_NAMESPACE, service_actor_options
+from kvstrata.actors.secrets import stash_secrets
 from kvstrata.config import ClusterConfig, KvstrataConfig, load_config
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def up(config: KvstrataConfig) -> dict[str, Any]:
     shards = [directory_shard(s) for s in range(config.cluster.directory_shards)]
     ray.get([shard.ping.remote() for shard in shards], timeout=60)
     options = service_actor_options(RECONCILER_NAME, max_concurrency=4)  # `stop` while its loop runs
-    reconciler = ray.remote(Reconciler).options(**options).remote(config.model_dump())
+    reconciler = ray.remote(Reconciler).options(**options).remote(stash_secrets(config))
     ray.get(reconciler.reconcile.remote(), timeout=120)  # stores now, not one period from now
     nodes = store_nodes(config.cluster)
     epochs = ray.get([get_node_store(node).ping.remote() for node in nodes], timeout=120)

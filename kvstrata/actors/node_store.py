@@ -51,6 +51,7 @@ from kvstrata.actors.io_meter import IoMeter
 from kvstrata.actors.local_client import LocalStoreClient
 from kvstrata.actors.options import in_ray_actor, node_tag
 from kvstrata.actors.peers import PeerSync
+from kvstrata.actors.secrets import resolve_secrets
 from kvstrata.actors.store_control import StoreControl
 from kvstrata.actors.store_metrics import MetricsExporter, metric_samples
 from kvstrata.actors.store_report import store_report
@@ -74,7 +75,7 @@ class NodeStore(StoreControl):
         node_id: str,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.config = load_config(config)
+        self.config = load_config(resolve_secrets(config))  # credentials come by the cluster's KV store
         self.node_id = node_id
         cpu = self.config.tiers.cpu
         self.arena = Arena(
@@ -198,6 +199,7 @@ class NodeStore(StoreControl):
 
     def stats(self) -> dict[str, object]:
         with self._lock:
+            self.arena.reclaim_due_orphans()
             disk_stats = self.disk.stats() if self.disk else None
             disk = disk_stats or ({"error": self.disk_error} if self.disk_error else None)
             return {

@@ -85,6 +85,12 @@ def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[s
         "namespaces": _namespaces(store, disk_stats["resident"] if disk_stats else {}),
         "engines": _engines(store),
         "tenants": _tenants(store, disk_stats),
+        # What this store found of stores that died without cleaning up (kvstrata.tiers.orphans).
+        "reclaimed": {
+            "shm_files": len(store.arena.reclaimed.files),
+            "shm_bytes": store.arena.reclaimed.bytes,
+            "disk_locks_taken_over": disk_stats.get("lock_taken_over", 0) if disk_stats else 0,
+        },
     }
 
 

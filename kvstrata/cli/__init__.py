@@ -9,6 +9,10 @@
     kvstrata down [--config ...]                # unlink the arena and end the store (with a
                                                 # `cluster` section: every store, the directory)
 
+`up` and `down` also unlink the `kvstrata-*` segments in this machine's `shm_dir` that no
+live store holds (left by stores that died with their Ray cluster); `down` does so even
+when no Ray cluster or store is left, and then exits 0.
+
 Exit codes: 0 done; 1 `up` found a configured tier that cannot work (unless
 `--allow-degraded`); 2 bad config or no store / no Ray cluster.
 """
@@ -87,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(getattr(args, "config", None))
         if args.command == "bench":
             return _bench(config, console, args)
+        if args.command == "down":
+            return _down(config, console, args)
+        if args.command == "up":
+            _reclaim_orphans(config, console, "found by `kvstrata up`")
         join_cluster(args.address or config.ray.address, logging_level=logging.WARNING)
         if args.command == "up":
             return _up(config, console, args.allow_degraded)
@@ -233,6 +241,33 @@ def _purge_or_down(config: KvstrataConfig, console: Console, args: argparse.Name
         shutdown_node_store(get_node_store())
         console.print("kvstrata node store down")
     return 0
+
+
+def _down(config: KvstrataConfig, console: Console, args: argparse.Namespace) -> int:
+    """Take the stores down, then reclaim what dead stores left in this machine's `shm_dir`.
+    With no Ray cluster or no store left (a cluster that died), only the reclaim: exit 0."""
+    from kvstrata.actors.client import StoreUnavailable, join_cluster
+
+    try:
+        join_cluster(args.address or config.ray.address, logging_level=logging.WARNING)
+        _purge_or_down(config, console, args)
+    except StoreUnavailable as exc:
+        console.print(f"no kvstrata store to take down: {str(exc).split('. ')[0]}", highlight=False)
+    _reclaim_orphans(config, console, "found by `kvstrata down`")
+    return 0
+
+
+def _reclaim_orphans(config: KvstrataConfig, console: Console, why: str) -> None:
+    """Unlink the segments no live store holds (see kvstrata.tiers.orphans); one line if any."""
+    from kvstrata.tiers.orphans import reclaim_orphans
+
+    found = reclaim_orphans(config.tiers.cpu.shm_dir, why=why)
+    if found.files:
+        console.print(
+            f"reclaimed {len(found.files)} segment(s) in {config.tiers.cpu.shm_dir} left by stores that died: "
+            f"{found.bytes:,} bytes freed",
+            highlight=False,
+        )
 
 
 if __name__ == "__main__":

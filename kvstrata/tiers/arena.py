@@ -19,7 +19,6 @@ Invariants the rest of the system relies on:
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import secrets
@@ -31,6 +30,7 @@ import numpy as np
 
 from kvstrata.keys import key_name
 from kvstrata.tiers.leases import LeaseTable
+from kvstrata.tiers.orphans import Reclaimed, log_reclaimed, orphan_candidates, reclaim
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
 from kvstrata.tiers.positions import Positions
 from kvstrata.tiers.quotas import TenantQuotas
@@ -483,14 +483,12 @@ class Arena:
         # Segment bytes per tenant: a pool at its tenant's quota evicts its own chunks.
         self.quotas = TenantQuotas(quotas)
         self.pools: dict[str, SlotPool] = {}
-        # Files of a previous store on this node: unlinked once every lease it granted
-        # has run out, so in-flight loads of its engines still find their bytes.
-        self._stale = [
-            path
-            for path in glob.glob(os.path.join(shm_dir, f"{FILE_PREFIX}-{node_tag}-*"))
-            if f"-{self.epoch}-" not in path
-        ]
+        # Segments no live store holds (this node's previous store, a dead cluster's, a
+        # simulated node's): unlinked once every lease their store granted has run out, so
+        # in-flight loads of its engines still find their bytes; locks checked again then.
+        self._stale = orphan_candidates(shm_dir, f"{FILE_PREFIX}-*")
         self._stale_deadline = clock() + lease_seconds
+        self.reclaimed = Reclaimed()  # what this arena unlinked of dead stores
 
     @property
     def allocated_bytes(self) -> int:
@@ -550,17 +548,19 @@ class Arena:
         for holder in expired:
             dropped = sum(pool.drop_holder(holder) for pool in self.pools.values())
             logger.warning("kvstrata arena: lease of %s expired; released %d slots", holder, dropped)
-        if self._stale and self.clock() >= self._stale_deadline:
-            self._remove_stale()
+        self.reclaim_due_orphans()
         return expired
 
+    def reclaim_due_orphans(self) -> None:
+        """Unlink the dead stores' segments found at start once their lease ran out (also called
+        by the store's `stats`, so a store no engine talks to still frees them)."""
+        if self._stale and self.clock() >= self._stale_deadline:
+            self._remove_stale()
+
     def _remove_stale(self) -> None:
-        for path in self._stale:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        logger.info("kvstrata arena: removed %d segments of a previous store", len(self._stale))
+        found = reclaim(self._stale)
+        log_reclaimed(found, self.shm_dir, f"found at store start, unlinked after a lease of {self.leases.duration_s:g}s")
+        self.reclaimed.add(found)
         self._stale = []
 
     def release_holder(self, holder: str) -> None:
@@ -576,6 +576,7 @@ class Arena:
             "allocated": self._allocated,
             "tenants": self.quotas.usage(),
             "holders": self.leases.holders(),
+            "orphans_reclaimed": {"files": len(self.reclaimed.files), "bytes": self.reclaimed.bytes},
             "pools": {namespace: pool.stats() for namespace, pool in self.pools.items()},
         }
 

@@ -52,7 +52,7 @@ import fsspec
 import fsspec.asyn
 import numpy as np
 
-from kvstrata.config import ObjectTierConfig
+from kvstrata.config import ObjectTierConfig, secret_values
 from kvstrata.keys import key_name, make_key
 from kvstrata.tiers.object_clients import open_chunk_client
 from kvstrata.tiers.positions import Positions
@@ -65,9 +65,6 @@ MANIFEST = "manifest.json"
 # How S3 servers (and SDK errors quoting them) say "too many requests": SlowDown, 503, 429.
 THROTTLE_SIGNS = re.compile(r"SlowDown|Throttl|TooManyRequests|RequestLimitExceeded|\b503\b|\b429\b")
 S3_PROTOCOLS = ("s3", "s3a")
-# storage_options entries whose values must never appear in a log line or an error.
-SECRET_OPTIONS = ("key", "secret", "token", "password", "username", "aws_access_key_id",
-                  "aws_secret_access_key", "aws_session_token", "access_key", "secret_key")
 
 
 @dataclass(frozen=True)
@@ -137,16 +134,6 @@ def open_filesystem(config: ObjectTierConfig) -> tuple[fsspec.AbstractFileSystem
     return fs, root.rstrip("/")
 
 
-def _secret_values(storage_options: Mapping[str, Any]) -> list[str]:
-    found = []
-    for name, value in storage_options.items():
-        if isinstance(value, Mapping):
-            found += _secret_values(value)
-        elif name.lower() in SECRET_OPTIONS and value:
-            found.append(str(value))
-    return found
-
-
 class _Positions:
     """A scan's entries by namespace and position, so a sweep can take a hybrid model's
     position whole (see `Positions`); namespaces whose anchor groups are unknown are left out."""
@@ -190,7 +177,8 @@ class ObjectTier:
         self.fs, self.root = filesystem or open_filesystem(config)
         self._clock = clock
         self._wall_clock = wall_clock
-        self._secrets = _secret_values(config.storage_options)
+        # Longest first, so a secret that contains another is scrubbed whole.
+        self._secrets = sorted(set(secret_values(config.storage_options)), key=len, reverse=True)
         # A hard deadline on every call of an async filesystem (s3fs): measured here, an
         # endpoint that accepts connections and never answers outlives botocore's read
         # timeout. fsspec's `sync` abandons the call after this many seconds.
@@ -434,7 +422,7 @@ class ObjectTier:
     def stats(self) -> dict[str, object]:
         with self._lock:
             return {
-                "url": self.config.url,
+                "url": self._scrub(self.config.url),
                 "available": self.available(),
                 "last_error": self.last_error,
                 **self.counters,
@@ -566,7 +554,7 @@ class ObjectTier:
             logger.warning(
                 "kvstrata object tier %s: %s failed (%s); uploads are dropped and loads miss "
                 "while it is paused (%.1fs, growing to %.0fs while it keeps failing)",
-                self.config.url,
+                self._scrub(self.config.url),
                 what,
                 reason,
                 pause,
@@ -581,7 +569,7 @@ class ObjectTier:
                 return
             self._backoff = 0.0
             self._paused_until = 0.0
-        logger.info("kvstrata object tier %s answers again", self.config.url)
+        logger.info("kvstrata object tier %s answers again", self._scrub(self.config.url))
 
     def _reason(self, exc: Exception) -> str:
         """What failed, for a log line or an operator: the exception, credentials scrubbed."""

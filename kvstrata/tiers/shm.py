@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstrata.tiers.orphans import hold_new_file
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -78,6 +80,7 @@ class SharedMemoryFile:
     """One mapped file; the creating side owns it and is the only one that unlinks it."""
 
     def __init__(self, path: str | os.PathLike[str], size: int, buffer: mmap.mmap, owner: bool, huge_pages: bool = False):
+        self.lock_fd = -1  # the creator's: holds the file's flock while it lives (`kvstrata.tiers.orphans`)
         self.path = Path(path)
         self.size = size
         self._mmap: mmap.mmap | None = buffer
@@ -87,7 +90,7 @@ class SharedMemoryFile:
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], size: int, prefault: bool = True) -> "SharedMemoryFile":
-        """Create a new file (mode 0600, fails if it exists) and map it.
+        """Create a new file (mode 0600, fails if it exists), lock it for as long as it lives, and map it.
 
         With `prefault`, its memory is allocated now, in 2 MiB pages where the kernel
         allows (`collapse_into_huge_pages`), and mapped.
@@ -95,7 +98,7 @@ class SharedMemoryFile:
         if size <= 0:
             raise ValueError(f"shared-memory file {path}: size must be positive, got {size}")
         _check_room(Path(path).parent, size)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = hold_new_file(path)
         refused = "not prefaulted"
         try:
             os.ftruncate(fd, size)
@@ -107,11 +110,11 @@ class SharedMemoryFile:
                 os.posix_fallocate(fd, 0, size)
             buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(fd)
             os.unlink(path)
+            os.close(fd)
             raise
-        os.close(fd)
         segment = cls(path, size, buffer, owner=True, huge_pages=refused is None)
+        segment.lock_fd = fd  # kept open: a reclaimer must see this file as a live store's
         if prefault:
             # First touch of fresh 4 KiB pages runs at ~0.4 GB/s here; pay it once at
             # creation instead of inside the first engine's copies (after a collapse this
@@ -153,6 +156,9 @@ class SharedMemoryFile:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)  # after the unlink: the file is never seen unlocked by its name
+            self.lock_fd = -1
 
 
 def _check_room(directory: Path, size: int) -> None:

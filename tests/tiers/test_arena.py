@@ -212,23 +212,6 @@ def test_second_process_sees_the_bytes_and_does_not_delete_the_file(arena):
     assert pool.view(slot)[0] == 7
 
 
-def test_previous_epoch_segments_are_removed_after_a_lease(tmp_path, clock):
-    old = Arena(str(tmp_path), "node0", capacity=SLOT, segment_size=SLOT, lease_seconds=10, prefault=False, clock=clock)
-    old.pool("ns", SLOT).reserve("a", 1)
-    stale = list(tmp_path.iterdir())
-    # A restarted store: the old process died without cleaning up.
-    new = Arena(str(tmp_path), "node0", capacity=SLOT, segment_size=SLOT, lease_seconds=10, prefault=False, clock=clock)
-    try:
-        new.expire()
-        assert all(p.exists() for p in stale)  # in-flight loads may still read them
-        clock.advance(11)
-        new.expire()
-        assert not any(p.exists() for p in stale)
-    finally:
-        new.close()
-        old.close()
-
-
 def test_invalid_arena_settings_are_named(tmp_path):
     with pytest.raises(ValueError, match="capacity must be positive"):
         Arena(str(tmp_path), "n", capacity=0, segment_size=1, lease_seconds=1)
