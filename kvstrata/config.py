@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from kvstrata.namespaces import check_tenant
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -324,6 +326,20 @@ class KvstrataConfig(_Strict):
         default_factory=dict,
         description="per tenant (`namespace_prefix`): bytes it may hold in the arena, on disk and in the bucket",
     )
+
+    @field_validator("namespace_prefix")
+    @classmethod
+    def _tenant_name(cls, value: str) -> str:
+        """The rules of `kvstrata.namespaces.check_tenant` (the store checks them again)."""
+        return check_tenant(value)
+
+    @field_validator("quotas")
+    @classmethod
+    def _quota_tenants(cls, value: dict[str, TenantQuota]) -> dict[str, TenantQuota]:
+        """A quota key is a `namespace_prefix`: the same rules, or it could never match one."""
+        for tenant in value:
+            check_tenant(tenant, "quotas key")
+        return value
 
     def tier_quotas(self, tier: Literal["cpu", "disk", "object"]) -> dict[str, int]:
         """Prefix -> bytes of the tenants with a quota in `tier` (what the tier enforces)."""

@@ -57,6 +57,7 @@ from kvstrata.actors.store_metrics import MetricsExporter, metric_samples
 from kvstrata.actors.store_report import store_report
 from kvstrata.actors.store_state import PROMOTION_SOURCES, logger
 from kvstrata.config import KvstrataConfig, load_config
+from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.changelog import CPU, STORAGE
 from kvstrata.tiers.disk import DiskTier, DiskTierError
@@ -187,10 +188,16 @@ class NodeStore(StoreControl):
 
     def keys(self, namespace: str, medium: str = CPU) -> list[bytes]:
         """Keys of a namespace held by one tier (`CPU` arena or `STORAGE` disk)."""
+        check_namespace(namespace)
         return self._log(namespace).present(medium)
 
     def purge(self, namespace: str | None = None) -> int:
-        """Drop the chunks of one namespace (or all) from every tier; pinned ones go when unpinned."""
+        """Drop the chunks of one namespace (or all) from every tier; pinned ones go when unpinned.
+
+        A namespace that is not valid (`kvstrata.namespaces`: empty, dotted, slash-bearing,
+        ...) is a ValueError naming it, before anything is removed."""
+        if namespace is not None:
+            check_namespace(namespace)
         with self._lock:
             namespaces = list(self._logs) if namespace is None else [namespace]
             removed = sum(self._purge(ns) for ns in namespaces)

@@ -34,6 +34,7 @@ from kvstrata.actors.object_index import ObjectIndex
 from kvstrata.actors.promotion import Promotion
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.actors.store_state import logger
+from kvstrata.namespaces import check_holder, check_namespace, check_tenant
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.changelog import CPU, OBJECT
 from kvstrata.tiers.records import chunk_digest
@@ -56,7 +57,12 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
 
         `watch`: the engine answers HITs from a mirror of the index (a manager); slots are
         then reused only once it acknowledged their chunks' removal.
+        A bad holder, namespace or `namespace_prefix` is a ValueError naming it (`kvstrata.namespaces`).
         """
+        check_holder(holder)
+        check_namespace(namespace)
+        if layout is not None:
+            check_tenant(layout.get("namespace_prefix", ""))
         with self._lock:
             self.arena.expire()
             pool = self._pool(namespace, slot_bytes)
@@ -86,6 +92,8 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
 
     def step(self, request: StepRequest) -> StepReply:
         """Apply one (merged) control batch of an engine and answer it."""
+        check_holder(request.holder)
+        check_namespace(request.namespace)
         with self._lock:
             self.arena.expire()
             pool = self.arena.pools.get(request.namespace)
@@ -159,6 +167,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         found: list[bytes] = []
         chunks: list[np.ndarray] = []
         from_disk: list[bytes] = []
+        check_namespace(namespace)
         with self._lock:
             pool = self.arena.pools.get(namespace)
             if pool is None:
@@ -189,6 +198,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
 
     def release_holder(self, holder: str) -> None:
         """An engine shutting down cleanly returns its pins and reservations at once."""
+        check_holder(holder)
         with self._lock:
             self.arena.release_holder(holder)
 

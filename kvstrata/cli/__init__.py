@@ -74,10 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--config", default=None, help="YAML tier config (default: built-in local config)")
     add_bench_arguments(bench)
     purge = command("purge", "Drop stored chunks from every tier of this node's store (pinned ones go when unpinned).")
-    purge.add_argument("--namespace", default=None, help="only this layout namespace")
+    purge.add_argument("--namespace", default=None, type=_namespace_argument, help="only this layout namespace")
     down = command("down", "Unlink the arena and end this node's store (with a `cluster` section: every store and the directory).")
     down.add_argument("--config", default=None, help="YAML tier config; with a `cluster` section, take all down")
     return parser
+
+
+def _namespace_argument(value: str) -> str:
+    """A `--namespace` the store would accept; anything else exits 2 naming it, before any
+    store is reached (an empty one would once have purged every tenant's objects)."""
+    from kvstrata.namespaces import check_namespace
+
+    try:
+        return check_namespace(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

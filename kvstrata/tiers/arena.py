@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstrata.keys import key_name
+from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.leases import LeaseTable
 from kvstrata.tiers.orphans import Reclaimed, log_reclaimed, orphan_candidates, reclaim
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
@@ -495,8 +496,8 @@ class Arena:
         return self._allocated
 
     def pool(self, namespace: str, slot_bytes: int) -> SlotPool:
-        """The pool of a namespace, created on first use."""
-        pool = self.pools.get(namespace)
+        """The pool of a namespace, created on first use (its name is in the segments' file names)."""
+        pool = self.pools.get(check_namespace(namespace))
         if pool is not None:
             if pool.geometry.slot_bytes != slot_bytes:
                 raise ValueError(
@@ -504,8 +505,8 @@ class Arena:
                     f"existing pool's {pool.geometry.slot_bytes}"
                 )
             return pool
-        if slot_bytes <= 0:
-            raise ValueError(f"namespace {namespace}: slot size must be positive, got {slot_bytes}")
+        if not isinstance(slot_bytes, (int, np.integer)) or not 0 < slot_bytes <= self.capacity:
+            raise ValueError(f"namespace {namespace}: slot size must be 1 to {self.capacity} bytes, got {slot_bytes!r}")
         slots_per_segment = max(1, self.segment_size // slot_bytes)
         template = os.path.join(
             self.shm_dir, f"{FILE_PREFIX}-{self.node_tag}-{self.epoch}-{namespace}-{{segment:04d}}"

@@ -54,6 +54,7 @@ import numpy as np
 
 from kvstrata.config import ObjectTierConfig, secret_values
 from kvstrata.keys import key_name, make_key
+from kvstrata.namespaces import check_namespace, is_namespace
 from kvstrata.tiers.object_clients import open_chunk_client
 from kvstrata.tiers.positions import Positions
 from kvstrata.tiers.quotas import TenantQuotas
@@ -220,7 +221,11 @@ class ObjectTier:
 
     def object_path(self, namespace: str, key: bytes) -> str:
         name = key_name(key)
-        return f"{self.root}/{namespace}/{name[:2]}/{name}"
+        return f"{self.namespace_dir(namespace)}/{name[:2]}/{name}"
+
+    def namespace_dir(self, namespace: str) -> str:
+        """`<root>/<namespace>`, only for a valid namespace (never the root, never another's)."""
+        return f"{self.root}/{check_namespace(namespace)}"
 
     @staticmethod
     def key_of(path: str) -> bytes | None:
@@ -245,6 +250,7 @@ class ObjectTier:
         return self._fan_out(self._get, "download", namespace, items)
 
     def remove(self, namespace: str, key: bytes) -> bool:
+        check_namespace(namespace)
         try:
             self.fs.rm_file(self.object_path(namespace, key), **self._deadline)
             return True
@@ -256,10 +262,11 @@ class ObjectTier:
 
     def list_keys(self, namespace: str) -> set[bytes] | None:
         """Every chunk of a namespace in the store, or None when the store cannot be listed now."""
+        check_namespace(namespace)
         if not self._admit(1):
             return None
         try:
-            paths = self.fs.find(f"{self.root}/{namespace}", **self._deadline)
+            paths = self.fs.find(self.namespace_dir(namespace), **self._deadline)
         except FileNotFoundError:
             return set()
         except Exception as exc:  # noqa: BLE001
@@ -286,8 +293,9 @@ class ObjectTier:
             namespace = path[len(self.root) :].lstrip("/").split("/", 1)[0]
             # A dot-named prefix is no namespace (namespaces are hex digests): it holds
             # scratch objects (`kvstrata bench`), which a sweep must neither count
-            # against `capacity` nor delete while they are being measured.
-            if key is not None and not namespace.startswith("."):
+            # against `capacity` nor delete while they are being measured; nor is any
+            # other name no engine could have registered (`kvstrata.namespaces`).
+            if key is not None and is_namespace(namespace):
                 entries.append(ObjectEntry(namespace, key, path, int(info.get("size") or 0), _written_at(info)))
         return entries
 
@@ -364,14 +372,18 @@ class ObjectTier:
 
     def _manifest_prefix(self, namespace: str) -> str:
         """The tenant of a namespace another node registered: its manifest's `namespace_prefix`."""
-        manifest = json.loads(self.fs.cat_file(f"{self.root}/{namespace}/{MANIFEST}", **self._deadline))
+        manifest = json.loads(self.fs.cat_file(f"{self.namespace_dir(namespace)}/{MANIFEST}", **self._deadline))
         return str(manifest["layout"].get("namespace_prefix", ""))
 
     def purge(self, namespace: str) -> int:
-        """Delete a namespace's chunks and manifest; returns how many chunks went."""
+        """Delete a namespace's chunks and manifest; returns how many chunks went.
+
+        Only `<root>/<namespace>/`: an invalid namespace (empty, dotted, slash-bearing) is
+        a ValueError before anything is listed or deleted."""
+        check_namespace(namespace)
         keys = self.list_keys(namespace) or set()
         try:
-            self.fs.rm(f"{self.root}/{namespace}", recursive=True)
+            self.fs.rm(self.namespace_dir(namespace), recursive=True)
         except FileNotFoundError:
             pass
         except Exception as exc:  # noqa: BLE001
@@ -383,11 +395,12 @@ class ObjectTier:
     # --- manifests -----------------------------------------------------------------------
 
     def write_manifest(self, namespace: str, layout: Mapping[str, object]) -> bool:
+        check_namespace(namespace)
         if not self._admit(1):
             return False
         body = json.dumps({"namespace": namespace, "layout": dict(layout)}, sort_keys=True, default=str)
         try:
-            self.fs.pipe_file(f"{self.root}/{namespace}/{MANIFEST}", body.encode(), **self._deadline)
+            self.fs.pipe_file(f"{self.namespace_dir(namespace)}/{MANIFEST}", body.encode(), **self._deadline)
         except Exception as exc:  # noqa: BLE001
             self._failed("manifest", exc)
             return False
@@ -434,6 +447,7 @@ class ObjectTier:
     # --- internals ---------------------------------------------------------------------------
 
     def _fan_out(self, op: Callable, what: str, namespace: str, items: list[tuple[bytes, np.ndarray]]) -> list[bool]:
+        check_namespace(namespace)  # a bad one is the caller's error, not the store's failure
         if not items:
             return []
         if not self._admit(len(items)):

@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
+from kvstrata.namespaces import check_tenant
+
 Entry = TypeVar("Entry")
 
 
@@ -37,14 +39,17 @@ class TenantQuotas:
     """Bytes held per tenant in one tier, against the tenants' quotas (prefix -> bytes)."""
 
     def __init__(self, limits: Mapping[str, int] | None = None):
-        self.limits: dict[str, int] = dict(limits or {})
+        # Keys follow `namespace_prefix`'s rules (kvstrata.namespaces), as the config's do.
+        self.limits: dict[str, int] = {check_tenant(tenant, "quotas key"): limit for tenant, limit in (limits or {}).items()}
         self._lock = threading.Lock()
         self._tenant_of: dict[str, str] = {}  # namespace -> tenant prefix
         self._held: dict[str, int] = {}  # namespace -> bytes charged to it
         self._used: dict[str, int] = {}  # tenant -> bytes of all its namespaces
 
     def assign(self, namespace: str, tenant: str) -> None:
-        """`namespace` belongs to `tenant` (the first assignment stands)."""
+        """`namespace` belongs to `tenant` (the first assignment stands); a tenant that is not
+        a valid `namespace_prefix` (e.g. from a foreign manifest) is a ValueError."""
+        check_tenant(tenant)
         with self._lock:
             if namespace in self._tenant_of:
                 return

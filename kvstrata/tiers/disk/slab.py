@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.keys import SLOT_ALIGNMENT, align_up
+from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.policies import EvictionPolicy
 from kvstrata.tiers.positions import Positions
 from kvstrata.tiers.records import HEADER_BYTES
@@ -228,7 +229,7 @@ def record_disk_bytes(payload_bytes: int) -> int:
 def _slab_name(namespace: str, payload_bytes: int, alignment: int) -> str:
     """`<namespace>-<payload bytes>[-a<alignment>].payloads` (the header file swaps the suffix)."""
     suffix = "" if alignment == SLOT_ALIGNMENT else f"-a{alignment}"
-    return f"{namespace}-{payload_bytes}{suffix}{PAYLOADS_SUFFIX}"
+    return f"{check_namespace(namespace)}-{payload_bytes}{suffix}{PAYLOADS_SUFFIX}"
 
 
 def _parse_slab_name(name: str) -> tuple[str, int, int] | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.keys import key_name
+from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.disk.index import SlabIndex
 from kvstrata.tiers.disk.reads import read_batch
 from kvstrata.tiers.disk.slab import _aligned_buffer, record_disk_bytes
@@ -112,6 +113,7 @@ class DiskTier(SlabIndex):
             return set() if slab is None else {key for key in keys if key in slab.index}
 
     def keys(self, namespace: str) -> list[bytes]:
+        check_namespace(namespace)
         with self._lock:
             slab = self._slabs.get(namespace)
             return [] if slab is None else list(slab.index)
@@ -128,6 +130,7 @@ class DiskTier(SlabIndex):
         two system calls per run, not one or two each, and the next run is sealed while this
         one is written.
         """
+        check_namespace(namespace)  # before any file is named after it
         payloads = [np.ascontiguousarray(p).view(np.uint8).reshape(-1) for _, p in items]
         stored = [False] * len(items)
         todo: list[tuple[int, int]] = []  # (item index, record)
@@ -258,6 +261,7 @@ class DiskTier(SlabIndex):
 
     def remove(self, namespace: str, key: bytes) -> bool:
         """Forget a chunk for good: its header is wiped so a restart does not bring it back."""
+        check_namespace(namespace)
         with self._lock:
             slab = self._slabs.get(namespace)
             record = None if slab is None else slab.index.get(key)

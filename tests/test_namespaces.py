@@ -1,0 +1,139 @@
+"""Namespaces, tenant prefixes and holder names from outside are checked before they name
+a file, an object or a pin (issue #29: `kvstrata purge --namespace ""` deleted every
+tenant's objects, the root directory with them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstrata.actors.node_store import NodeStore
+from kvstrata.actors.protocol import StepRequest
+from kvstrata.cli import main
+from kvstrata.config import ConfigError, ObjectTierConfig, load_config
+from kvstrata.namespaces import check_holder, check_namespace, check_tenant
+from kvstrata.tiers.disk import HEADER_BYTES, DiskTier
+from kvstrata.tiers.object_store import ObjectTier
+from kvstrata.tiers.quotas import TenantQuotas
+from tests.utils import FakeClock, key, store_config
+
+BAD_NAMESPACES = ["", ".", "..", "../x", "a/..", "/", "a/b", "/a", "a/", "a//b", ".hidden", "a b", "a\x00b", "é", "x" * 129]
+SIZE = 8192
+
+
+def chunk(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("value", BAD_NAMESPACES + [None, 7, b"ns"])
+def test_a_bad_namespace_is_a_value_error_naming_it(value):
+    with pytest.raises(ValueError) as raised:
+        check_namespace(value)
+    assert repr(value)[:40] in str(raised.value)
+
+
+@pytest.mark.parametrize("value", ["3fa9c0d2e1b4a5968778", "ns", "ns-a", "tenant_1.v2", "x" * 128])
+def test_good_namespaces_pass_unchanged(value):
+    assert check_namespace(value) == value
+
+
+def test_tenants_may_be_empty_or_nested_but_not_escape():
+    assert check_tenant("") == "" and check_tenant("org/team-a") == "org/team-a"
+    for bad in ("/org", "org/", "org//a", "org/../a", "org/.a", "a b"):
+        with pytest.raises(ValueError, match="namespace_prefix"):
+            check_tenant(bad)
+
+
+def test_holders_cannot_name_the_stores_own():
+    assert check_holder("engine-1a2b-4242") == "engine-1a2b-4242"
+    for bad in ("kvstrata:cascade", "kvstrata:upload", "kvstrata:promote", "", "a" * 201, "a b", None):
+        with pytest.raises(ValueError, match="holder"):
+            check_holder(bad)
+
+
+@pytest.fixture(params=["memory", "file"])
+def object_url(request, memory_bucket, tmp_path):
+    return memory_bucket if request.param == "memory" else f"file://{tmp_path}/bucket/kv"
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "../kv", "ab/..", "/"])
+def test_object_purge_of_a_bad_namespace_deletes_nothing(object_url, bad):
+    tier = ObjectTier(ObjectTierConfig(url=object_url), clock=FakeClock())
+    try:
+        assert tier.put_many("ab", [(key(1), chunk(1))]) == [True]
+        assert tier.put_many("cd", [(key(2), chunk(2))]) == [True]
+        with pytest.raises(ValueError, match="namespace"):
+            tier.purge(bad)
+        assert tier.list_keys("ab") == {key(1)} and tier.list_keys("cd") == {key(2)}
+        assert tier.available()  # the caller's error is no failure of the store
+    finally:
+        tier.close()
+
+
+def test_object_purge_removes_exactly_one_namespace_not_those_starting_with_its_name(object_url):
+    tier = ObjectTier(ObjectTierConfig(url=object_url), clock=FakeClock())
+    try:
+        for i, namespace in enumerate(["ab", "ab-c", "abc", "ab.d"]):
+            assert tier.put_many(namespace, [(key(i), chunk(i))]) == [True]
+        assert tier.purge("ab") == 1
+        assert tier.list_keys("ab") == set()
+        assert [tier.list_keys(ns) for ns in ("ab-c", "abc", "ab.d")] == [{key(1)}, {key(2)}, {key(3)}]
+    finally:
+        tier.close()
+
+
+def test_disk_tier_refuses_a_bad_namespace_before_naming_a_file(tmp_path):
+    root = tmp_path / "disk"
+    tier = DiskTier(root, 16 * (SIZE + HEADER_BYTES))
+    try:
+        for bad in ("../escape", "a/b", ""):
+            with pytest.raises(ValueError, match="namespace"):
+                tier.write_many(bad, [(key(1), chunk(1))])
+        assert not (tmp_path / "escape-8192.payloads").exists()
+        assert sorted(p.name for p in root.iterdir() if p.suffix in (".payloads", ".headers")) == []
+    finally:
+        tier.close()
+
+
+def test_config_and_tier_quota_keys_follow_the_tenant_rules():
+    with pytest.raises(ConfigError, match=r"quotas key '\.\./b'"):
+        load_config({"quotas": {"../b": {"cpu": "1MiB"}}})
+    with pytest.raises(ConfigError, match="namespace_prefix"):
+        load_config({"namespace_prefix": "a/"})
+    with pytest.raises(ValueError, match="quotas key"):
+        TenantQuotas({"a//b": 1})
+
+
+def test_store_refuses_bad_names_at_its_control_surface_and_purges_nothing(tmp_path):
+    slot = 4096
+    store = NodeStore(load_config(store_config(tmp_path, capacity=16 * slot)), "node0")
+    try:
+        store.register("engine", "ns", slot)
+        pool = store.arena.pools["ns"]
+        slots = pool.reserve("engine", 2)
+        store.step(StepRequest("engine", "ns", commit=[(slots[0], key(1)), (slots[1], key(2))]))
+        for call in (
+            lambda: store.purge(""),
+            lambda: store.purge(".."),
+            lambda: store.register("engine", "../ns", slot),
+            lambda: store.register("kvstrata:cascade", "ns", slot),
+            lambda: store.register("engine", "ns2", slot, {"namespace_prefix": "../t"}),
+            lambda: store.step(StepRequest("kvstrata:upload", "ns", unpin=[slots[0]])),
+            lambda: store.step(StepRequest("engine", "", purge=True)),
+            lambda: store.export_chunks("a/b", [key(1)]),
+            lambda: store.release_holder("kvstrata:promote"),
+        ):
+            with pytest.raises(ValueError, match="invalid"):
+                call()
+        assert sorted(store.keys("ns")) == sorted([key(1), key(2)])
+        assert "../ns" not in store.arena.pools and "ns2" not in store.arena.pools
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("bad", ["", "..", "a/b"])
+def test_cli_purge_of_a_bad_namespace_exits_non_zero_before_reaching_a_store(bad, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["purge", "--namespace", bad])
+    assert exited.value.code == 2
+    assert "invalid namespace" in capsys.readouterr().err
