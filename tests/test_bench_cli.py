@@ -24,7 +24,7 @@ from kvstrata.config import ObjectTierConfig, load_config
 from kvstrata.tiers.object_store import ObjectTier
 from tests.utils import key
 
-REFERENCES = {"cpu": "numpy memcpy", "disk": "raw pwrite/preadv", "object": "fsspec LocalFileSystem put/get"}
+REFERENCES = {"cpu": "numpy memcpy", "disk": "raw pwrite/preadv", "object": "fsspec PrivateLocalFileSystem put/get"}
 
 
 def bench_args(*argv: str) -> argparse.Namespace:

@@ -57,6 +57,7 @@ from kvstrata.keys import key_name, make_key
 from kvstrata.namespaces import check_namespace, is_namespace
 from kvstrata.tiers.object_clients import open_chunk_client
 from kvstrata.tiers.positions import Positions
+from kvstrata.tiers.private_files import open_private_filesystem
 from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.records import HEADER_BYTES, record_matches, seal_header
 
@@ -125,8 +126,8 @@ def open_filesystem(config: ObjectTierConfig) -> tuple[fsspec.AbstractFileSystem
         options.update(client_kwargs=client_kwargs, config_kwargs=config_kwargs)
     elif protocol in ("file", "local"):
         # A bucket creates "directories" by itself; a local root (a shared filesystem)
-        # must create the fan-out directories of its chunks, or every PUT fails.
-        options.setdefault("auto_mkdir", True)
+        # creates them, and writes objects privately and atomically (private_files.py).
+        return open_private_filesystem(config.url, options)
     fs, root = fsspec.core.url_to_fs(config.url, skip_instance_cache=True, **options)
     if protocol in S3_PROTOCOLS:
         # botocore's bounded, jittered retries only: s3fs's own retry loop would multiply

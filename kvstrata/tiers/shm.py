@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.tiers.orphans import hold_new_file
+from kvstrata.tiers.private_files import open_private
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,12 @@ class SharedMemoryFile:
 
     @classmethod
     def attach(cls, path: str | os.PathLike[str]) -> "SharedMemoryFile":
-        """Map an existing file without taking ownership of it."""
-        fd = os.open(path, os.O_RDWR)
+        """Map an existing file without taking ownership of it.
+
+        Only a regular file of this process's user, not through a symlink: a segment of
+        another user (who could read or rewrite every chunk an engine loads from it) is
+        `UnsafeFileError` naming the path and its owner."""
+        fd = open_private(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -34,6 +34,7 @@ from kvstrata.keys import SLOT_ALIGNMENT, align_up
 from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.policies import EvictionPolicy
 from kvstrata.tiers.positions import Positions
+from kvstrata.tiers.private_files import open_private
 from kvstrata.tiers.records import HEADER_BYTES
 
 logger = logging.getLogger(__package__)  # the tier logs under one name, "kvstrata.tiers.disk"
@@ -200,15 +201,16 @@ class _Slab:
 
 
 def _open(path: Path, direct_io: bool) -> tuple[int, bool]:
+    """A slab file, created 0600; a symlink or another user's file is `UnsafeFileError`."""
     flags = os.O_RDWR | os.O_CREAT
     if direct_io and hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, flags | os.O_DIRECT, 0o600), True
+            return open_private(path, flags | os.O_DIRECT), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             logger.info("kvstrata disk tier: %s does not support O_DIRECT; using buffered I/O", path.parent)
-    return os.open(path, flags, 0o600), False
+    return open_private(path, flags), False
 
 
 def payload_alignment(payload_bytes: int) -> int:

@@ -35,6 +35,7 @@ from kvstrata.tiers.disk.slab import _aligned_buffer, record_disk_bytes
 from kvstrata.tiers.disk.staging import DIGEST_THREADS, _SpareBuffers
 from kvstrata.tiers.disk.writes import write_batch
 from kvstrata.tiers.policies import make_policy
+from kvstrata.tiers.private_files import UnsafeFileError, open_private
 from kvstrata.tiers.records import HEADER_BYTES
 
 logger = logging.getLogger(__package__)  # the tier logs under one name, "kvstrata.tiers.disk"
@@ -59,7 +60,9 @@ class DiskTier(SlabIndex):
         root = Path(root)
         try:
             root.mkdir(parents=True, exist_ok=True)
-            self._dir_lock = os.open(root / ".kvstrata.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            self._dir_lock = open_private(root / ".kvstrata.lock", os.O_RDWR | os.O_CREAT)
+        except UnsafeFileError as exc:
+            raise DiskTierError(f"tiers.disk.path: {exc}") from None
         except OSError as exc:
             raise DiskTierError(f"tiers.disk.path: {root} is not a writable directory ({exc.strerror or exc})") from None
         try:
