@@ -158,9 +158,9 @@ class NodeStore(StoreControl):
                 on_change=lambda namespace, keys, present: self._log(namespace).record_many(keys, STORAGE, present),
                 quotas=self.config.tier_quotas("disk"),
             )
-        except DiskTierError as exc:
+        except Exception as exc:  # noqa: BLE001 - DiskTierError, or whatever a damaged directory raised
             # The engine keeps serving from the arena; the operator sees why in the log and stats.
-            self.disk_error = str(exc)
+            self.disk_error = str(exc) if isinstance(exc, DiskTierError) else f"{type(exc).__name__}: {exc}"
             logger.error("kvstrata node store: disk tier disabled: %s", exc)
             return
         for namespace in self.disk.namespaces():

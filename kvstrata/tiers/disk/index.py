@@ -32,7 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from kvstrata.keys import key_name
+from kvstrata.tiers.disk.damaged import log_set_aside, set_aside, unusable_reason
 from kvstrata.tiers.disk.slab import (
+    HEADERS_SUFFIX,
     OLD_SLAB_SUFFIX,
     PAYLOADS_SUFFIX,
     _aligned_buffer,
@@ -91,6 +93,8 @@ class SlabIndex:
             "write_errors": 0,
             "read_errors": 0,
             "dropped_not_admitting": 0,
+            "damaged_files": 0,  # set aside into damaged/ at start-up (damaged.py)
+            "damaged_records": 0,  # headers found unreadable at start-up: free records now
         }
         self._recover()
 
@@ -252,18 +256,32 @@ class SlabIndex:
     def _recover(self) -> None:
         """Rebuild the index from the record headers left by a previous store."""
         self._remove_old_slabs()
-        for path in sorted(self.root.glob(f"*{PAYLOADS_SUFFIX}")):
+        damaged: list[tuple[str, str]] = []
+        # Largest first: of two slabs of one namespace (a stray file named like ours), the
+        # one holding the most records is kept and the other set aside.
+        for path in sorted(self.root.glob(f"*{PAYLOADS_SUFFIX}"), key=lambda p: (-_size_of(p), p.name)):
             name = _parse_slab_name(path.name)
             if name is None:
                 continue
             namespace = name[0]
-            slab = self._slab(*name)
+            why = unusable_reason(path, namespace, name[1], set(self._slabs))
+            slab = None
+            try:
+                slab = None if why else self._slab(*name)
+            except (OSError, ValueError) as exc:  # unreadable, another user's, a symlinked header file
+                why = str(exc)
+            if slab is None:
+                self.counters["damaged_files"] += set_aside(self.root, path, path.with_suffix(HEADERS_SUFFIX), why)
+                damaged.append((path.name, why))
+                continue
             empty = []
             last = -1
             for record, header in self._stored_headers(slab):
                 parsed = None if header is None else RecordHeader.unpack(header)
                 if parsed is None or parsed.namespace != namespace or parsed.key in slab.index:
                     empty.append(record)
+                    # A header that holds anything but zeros (never written) is damage.
+                    self.counters["damaged_records"] += header is not None and any(header.tobytes())
                     continue
                 last = record
                 slab.index[parsed.key] = record
@@ -276,6 +294,7 @@ class SlabIndex:
             self.quotas.charge(namespace, slab.reserved_end * slab.record_cost)
             if slab.index:
                 logger.info("kvstrata disk tier: recovered %d chunks of namespace %s from %s", len(slab.index), namespace, path)
+        log_set_aside(self.root, damaged)
 
     @staticmethod
     def _stored_headers(slab: _Slab) -> Iterator[tuple[int, memoryview | None]]:
@@ -304,3 +323,10 @@ class SlabIndex:
             "kvstrata disk tier: removed %d slab files of an earlier layout from %s (%.1f MiB); their chunks are misses",
             len(old), self.root, size / (1 << 20),
         )  # fmt: skip
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0
