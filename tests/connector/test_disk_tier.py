@@ -177,21 +177,30 @@ def test_an_unusable_disk_path_leaves_the_arena_serving(env, tmp_path):
 
 
 def test_a_full_write_queue_drops_disk_writes_without_blocking(env):
+    """The store's disk writes go through `write_many` (the call patched here: patching
+    `write` once tested nothing). The one queued write is held inside the disk tier while
+    the commits return; it sees them returned, and the three beyond the queue are dropped."""
     make_store, make_manager = env
     store, cfg = make_store(queue_depth=1, slots=16, reserve_slots=8)
-    release = threading.Event()
-    real_write = store.disk.write
+    entered, release, commits_returned = threading.Event(), threading.Event(), threading.Event()
+    seen_commits_returned = []
+    real_write_many = store.disk.write_many
 
-    def slow_write(*args):
-        assert release.wait(30)
-        return real_write(*args)
+    def slow_write_many(namespace, items):
+        entered.set()
+        release.wait(10)  # bounded: a write the commits waited for sees them not returned
+        seen_commits_returned.append(commits_returned.is_set())
+        return real_write_many(namespace, items)
 
-    store.disk.write = slow_write
+    store.disk.write_many = slow_write_many
     manager = make_manager(store, cfg)
     store_chunks(store, manager, [key(i) for i in range(4)])  # commits return at once
+    commits_returned.set()
+    assert entered.wait(10), "the queued disk write never reached the disk tier"
     assert store.stats()["disk_writes_dropped"] == 3
     release.set()
     assert store.wait_io(10)
+    assert seen_commits_returned == [True]
     assert len(store.keys(manager.namespace, "STORAGE")) == 1
 
 
