@@ -1,69 +1,89 @@
 """Chunks held by another node, seen from the engine: the `PEER` medium in the mirror,
 RETRY while the store fetches, then a HIT reported as peer-to-peer; a failed fetch is a
-MISS. In-process store with a stand-in for the cluster link (the real one is exercised
-on a simulated cluster in tests/actors/test_multinode.py)."""
+MISS. In-process stores: this node's store runs the real `PeerSync` (holders, the
+suspect list after a failure, digest checks), fetching from a real second store whose
+`export_chunks` answers in-process instead of through a Ray call (the Ray transport is
+exercised on a simulated cluster in tests/actors/test_multinode.py)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import ray
 
+from kvstrata.actors.directory import holder_label
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
-from kvstrata.config import load_config
+from kvstrata.actors.peers import PeerSync
+from kvstrata.actors.protocol import StepRequest
+from kvstrata.config import ClusterConfig, load_config
 from kvstrata.connector.compat import Locality, LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager
-from kvstrata.tiers.changelog import PEER
+from kvstrata.tiers.changelog import CPU
 from tests.connector.harness import SLOT, ctx, step
 from tests.utils import key, layout, store_config
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+PEER_NODE = "node-a"
 
 
-class PeersStandIn:
-    """What PeerSync offers the store: chunks some other node holds, and fetching them."""
+class InProcessPeer:
+    """A peer store's actor handle: `export_chunks.remote` runs the real store's call
+    (or fails as a dead peer does) and returns a finished future for `ray.get`."""
 
-    def __init__(self, chunks: dict[bytes, np.ndarray], fail: bool = False):
-        self.chunks, self.fail, self.failed = chunks, fail, False
+    def __init__(self, store: NodeStore, dead: bool = False, tamper: bool = False):
+        self.store, self.dead, self.tamper, self.calls = store, dead, tamper, 0
+        self.export_chunks = self
 
-    def can_fetch(self, namespace, key):
-        return not self.failed
-
-    def fetch(self, namespace, pool, items, log):
-        if self.fail:
-            self.failed = True  # the real link then leaves that peer alone for a while
-            return [False] * len(items)
-        for chunk_key, slot in items:
-            pool.view(slot)[:] = self.chunks[chunk_key]
-        return [True] * len(items)
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
+    def remote(self, namespace, keys):
+        self.calls += 1
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+        found, digests, chunks = self.store.export_chunks(namespace, keys)
+        if self.tamper:
+            chunks = [np.bitwise_xor(chunk, 1) for chunk in chunks]
+        answer = Future()
+        answer.set_result((found, digests, [np.array(chunk) for chunk in chunks]))
+        return answer
 
 
 @pytest.fixture
-def engine(tmp_path):
-    cfg = load_config(store_config(tmp_path, capacity=16 * SLOT, reserve_slots=2))
+def engine(tmp_path, monkeypatch):
+    real_get = ray.get
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref.result() if isinstance(ref, Future) else real_get(ref, timeout=timeout))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "a").mkdir()
+    cfg = load_config(store_config(tmp_path / "c", capacity=16 * SLOT, reserve_slots=2))
     store = NodeStore(cfg, "node-c")
     store._peer_io = ThreadPoolExecutor(1)  # what a store with a `cluster` section runs
+    store.peers = PeerSync("node-c", ClusterConfig(directory_shards=1), lambda: dict(store._logs), lambda shard: None)
+    peer_store = NodeStore(load_config(store_config(tmp_path / "a", capacity=16 * SLOT)), PEER_NODE)
     manager = StrataManager(LocalStoreClient(store), layout(worker_bytes=SLOT), cfg, "engine", enable_events=True)
     assert manager.wait_idle(10)
-    yield store, manager
+    yield store, manager, peer_store
     manager.shutdown()
+    store.peers = None  # its sync thread never ran
     store.close()
     store._peer_io.shutdown(wait=True)
+    peer_store.close()
 
 
-def held_elsewhere(store, manager, chunks, fail=False):
-    store.peers = PeersStandIn(chunks, fail)
-    log = store._log(manager.namespace)
-    for k in chunks:
-        log.record(k, PEER, True)  # what a directory sync records
+def held_elsewhere(store, manager, peer_store, chunks, **peer):
+    """`chunks` committed in the peer's arena, and the directory's word that it holds them."""
+    namespace = manager.namespace
+    peer_store.register("peer-engine", namespace, SLOT)
+    pool = peer_store.arena.pools[namespace]
+    slots = pool.reserve("peer-engine", len(chunks))
+    for slot, data in zip(slots, chunks.values()):
+        pool.view(slot)[:] = data
+    peer_store.step(StepRequest("peer-engine", namespace, commit=list(zip(slots, chunks))))
+    handle = InProcessPeer(peer_store, **peer)
+    store.peers._stores[PEER_NODE] = handle
+    changes = [(k, holder_label(PEER_NODE, CPU), True) for k in chunks]
+    store.peers._apply(0, "directory-epoch", {namespace: (len(changes), changes, False)}, dict(store._logs))
     step(manager)
+    return handle
 
 
 def load(store, manager, keys, req="r"):
@@ -76,15 +96,16 @@ def load(store, manager, keys, req="r"):
 
 
 def test_a_chunk_on_another_node_is_fetched_and_reported_as_peer_to_peer(engine):
-    store, manager = engine
+    store, manager, peer_store = engine
     chunks = {key(i): np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8) for i in range(3)}
-    held_elsewhere(store, manager, chunks)
+    peer = held_elsewhere(store, manager, peer_store, chunks)
     assert manager.lookup(key(0), ctx()) is RETRY  # known to be elsewhere: worth waiting for
     assert load(store, manager, list(chunks)) == [HIT] * 3
     spec = manager.prepare_load(list(chunks), ctx())
     pool = store.arena.pools[manager.namespace]
     assert all(np.array_equal(pool.view(int(slot)), chunks[k]) for k, slot in zip(chunks, spec.block_ids))
     assert store.stats()["peer_promotions"] == 3 and manager.counters()["chunks_promoted"] == 3
+    assert peer.calls >= 1 and store.peers.stats()["chunks_fetched"] == 3
     if load_source("PEER") is not None:
         assert {manager.get_load_source(k, ctx()) for k in chunks} == {load_source("PEER")}
     remote = [e for e in manager.take_events() if e.medium == Medium.CPU and not e.removed and Locality is not None
@@ -93,8 +114,16 @@ def test_a_chunk_on_another_node_is_fetched_and_reported_as_peer_to_peer(engine)
 
 
 def test_a_failed_peer_fetch_is_a_miss_and_that_peer_is_not_asked_again_at_once(engine):
-    store, manager = engine
-    held_elsewhere(store, manager, {key(9): np.zeros(SLOT, np.uint8)}, fail=True)
+    store, manager, peer_store = engine
+    peer = held_elsewhere(store, manager, peer_store, {key(9): np.zeros(SLOT, np.uint8)}, dead=True)
     assert load(store, manager, [key(9)]) == [MISS]
-    assert store.stats()["promotion_failures"] == 1
+    assert store.stats()["promotion_failures"] == 1 and peer.calls == 1
     assert load(store, manager, [key(9)], req="next") == [MISS]  # no second wait on that peer
+    assert peer.calls == 1 and store.peers.stats()["fetch_failures"] == 1
+
+
+def test_a_chunk_damaged_in_transfer_is_a_miss_never_a_hit(engine):
+    store, manager, peer_store = engine
+    peer = held_elsewhere(store, manager, peer_store, {key(5): np.full(SLOT, 7, np.uint8)}, tamper=True)
+    assert load(store, manager, [key(5)]) == [MISS]
+    assert peer.calls == 1 and store.peers.stats()["corrupt_transfers"] == 1
