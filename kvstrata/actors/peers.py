@@ -263,14 +263,18 @@ class PeerSync:
                     self._forget(namespace, key, node_id, log)
                     continue
                 view = pool.view(slot)
+                # A chunk that arrives damaged is that peer's copy no more: forgotten here
+                # (the next lookup is a MISS), or the engine would be told RETRY forever.
                 if chunks[n].nbytes != slot_bytes:
                     logger.warning("kvstrata peers: chunk %s from node %s has the wrong size", key_name(key), node_id[:12])
+                    self._forget(namespace, key, node_id, log)
                     continue
                 view[:] = chunks[n]
                 if chunk_digest(namespace, key, view) != digests[n]:
                     with self._lock:
                         self.counters["corrupt_transfers"] += 1
                     logger.warning("kvstrata peers: chunk %s from node %s failed its checksum", key_name(key), node_id[:12])
+                    self._forget(namespace, key, node_id, log)
                     continue
                 ok[i] = True
                 with self._lock:
