@@ -154,15 +154,39 @@ def test_ray_restarts_a_dead_store_and_engines_recover(store):
         manager.shutdown()
 
 
-def test_cli_status_purge_and_down(store, capsys):
+def test_cli_status_purge_and_down(cluster, tmp_path, capsys):
+    """status shows the store; purge drops the chunks it holds; down ends the actor and
+    unlinks its segments (once a test named this and never called down)."""
+    import yaml
+
+    from kvstrata.actors.protocol import StepRequest
     from kvstrata.cli import main
 
-    handle, cfg = store
-    assert main(["status", "--json"]) == 0
-    status = capsys.readouterr().out
-    assert '"epoch"' in status and '"capacity"' in status
-    assert main(["purge"]) == 0
-    assert "purged 0 chunks" in capsys.readouterr().out
+    raw = store_config(tmp_path, capacity=64 * SLOT)
+    (tmp_path / "kvstrata.yaml").write_text(yaml.safe_dump(raw))
+    handle = ensure_node_store(load_config(raw))
+    try:
+        assert main(["status", "--json"]) == 0
+        status = capsys.readouterr().out
+        assert '"epoch"' in status and '"capacity"' in status
+        ray.get(handle.register.remote("engine", "ns", SLOT), timeout=30)
+        slots = ray.get(handle.step.remote(StepRequest("engine", "ns", reserve=2)), timeout=30).reserved
+        ray.get(handle.step.remote(StepRequest("engine", "ns", commit=[(slots[0], key(1)), (slots[1], key(2))])), timeout=30)
+        ray.get(handle.release_holder.remote("engine"), timeout=30)
+        segments = list(tmp_path.glob("kvstrata-*"))
+        assert segments, "the store made no segment in its shm_dir"
+        assert main(["purge", "--namespace", "ns"]) == 0
+        assert "purged 2 chunks" in capsys.readouterr().out
+        assert main(["down", "--config", str(tmp_path / "kvstrata.yaml")]) == 0
+        assert "kvstrata node store down" in capsys.readouterr().out
+        assert not [path for path in segments if path.exists()]
+        with pytest.raises(StoreUnavailable):
+            get_node_store()
+    finally:
+        try:
+            ray.kill(ray.get_actor(store_actor_name(current_node_id()), namespace=STORE_NAMESPACE), no_restart=True)
+        except ValueError:
+            pass  # down took it (the test's subject)
 
 
 def test_cli_rejects_a_bad_config_with_its_name(cluster, tmp_path, capsys):
