@@ -121,7 +121,8 @@ def open_filesystem(config: ObjectTierConfig) -> tuple[fsspec.AbstractFileSystem
         config_kwargs = dict(options.pop("config_kwargs", None) or {})
         config_kwargs.setdefault("connect_timeout", config.timeouts.connect_seconds)
         config_kwargs.setdefault("read_timeout", config.timeouts.read_seconds)
-        config_kwargs.setdefault("retries", {"max_attempts": config.max_attempts, "mode": "adaptive"})
+        # `total_max_attempts` counts the first try (botocore's `max_attempts` is retries: one more).
+        config_kwargs.setdefault("retries", {"total_max_attempts": config.max_attempts, "mode": "adaptive"})
         config_kwargs.setdefault("max_pool_connections", config.max_concurrency)
         options.update(client_kwargs=client_kwargs, config_kwargs=config_kwargs)
     elif protocol in ("file", "local"):
