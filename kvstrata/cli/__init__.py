@@ -133,8 +133,15 @@ def _up(config: KvstrataConfig, console: Console, allow_degraded: bool) -> int:
         stores = {"this node": ensure_node_store(config)}
     object_problem = _probe_object_store(config)
     problems = int(object_problem is not None)
-    for _, store in sorted(stores.items()):
-        stats = ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS)
+    not_started = 0  # no store at all: --allow-degraded does not accept that
+    for node, store in sorted(stores.items()):
+        try:
+            stats = ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - e.g. its constructor raised: say so, exit 1
+            cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            console.print(f"  [bold red]FAILED[/] node store on {node} did not start: {cause}", highlight=False)
+            not_started += 1
+            continue
         disk = stats["report"]["tiers"]["disk"]
         found = {"disk": disk["reason"]} if disk["state"] == "error" else {}
         if object_problem is not None:
@@ -142,7 +149,12 @@ def _up(config: KvstrataConfig, console: Console, allow_degraded: bool) -> int:
         console.print(f"node store up on node {stats['node_id']} (pid {stats['pid']}, epoch {stats['epoch']})", highlight=False)
         for line, ok in _tier_lines(config, found):
             console.print(f"  [{'green' if ok else 'bold red'}]{'ok ' if ok else 'FAILED'}[/] {line}", highlight=False)
+        if damaged := (stats.get("disk") or {}).get("damaged_files"):
+            console.print(f"  [yellow]note[/] disk: {damaged} damaged file(s) set aside into damaged/", highlight=False)
         problems += "disk" in found
+    if not_started:
+        console.print(f"[bold red]{not_started} node store(s) did not start[/]; nothing is cached there.", highlight=False)
+        return 1
     if problems and not allow_degraded:
         console.print(
             f"[bold red]{problems} configured tier(s) cannot work[/]; the store serves without them. "
