@@ -97,3 +97,11 @@ def check_holder(value: object) -> str:
     if not _HOLDER.fullmatch(value):
         raise ValueError(f"invalid holder {_shown(value)}: only letters, digits and '_.@+-' are allowed")
     return value
+
+
+def holder_name(text: str) -> str:
+    """A valid holder made from an engine's own id (vLLM's `engine_id` may hold `:` -- an
+    IPv6 host -- or other characters): each character outside the holder set becomes `-`,
+    and the last `MAX_HOLDER_LENGTH` characters are kept (the pid suffix stays)."""
+    cleaned = re.sub(r"[^A-Za-z0-9_.@+-]", "-", text)[-MAX_HOLDER_LENGTH:]
+    return check_holder(cleaned or "engine")

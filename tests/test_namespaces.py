@@ -11,7 +11,7 @@ from kvstrata.actors.node_store import NodeStore
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.cli import main
 from kvstrata.config import ConfigError, ObjectTierConfig, load_config
-from kvstrata.namespaces import check_holder, check_namespace, check_tenant
+from kvstrata.namespaces import check_holder, check_namespace, check_tenant, holder_name
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier
 from kvstrata.tiers.object_store import ObjectTier
 from kvstrata.tiers.quotas import TenantQuotas
@@ -49,6 +49,14 @@ def test_holders_cannot_name_the_stores_own():
     for bad in ("kvstrata:cascade", "kvstrata:upload", "kvstrata:promote", "", "a" * 201, "a b", None):
         with pytest.raises(ValueError, match="holder"):
             check_holder(bad)
+
+
+def test_an_engine_id_of_any_shape_becomes_a_valid_holder_that_keeps_its_pid():
+    assert holder_name("3f1c-uuid-1234") == "3f1c-uuid-1234"
+    assert holder_name("id-fe80::1-8000-4242") == "id-fe80--1-8000-4242"
+    long = holder_name("x" * 300 + "-4242")
+    assert len(long) == 200 and long.endswith("-4242")
+    assert check_holder(holder_name(":::")) == "---"
 
 
 @pytest.fixture(params=["memory", "file"])

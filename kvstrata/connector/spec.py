@@ -35,6 +35,7 @@ from kvstrata.connector.compat import (
 from kvstrata.connector.manager import COUNTER_NAMES, GAUGE_NAMES, StrataManager, metric_name
 from kvstrata.identity import ModelIdentity, resolve_model_identity
 from kvstrata.keys import Layout
+from kvstrata.namespaces import holder_name
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class StrataSpec(OffloadingSpec):
                 client,
                 self.layout,
                 cfg,
-                holder=f"{self.config.engine_id}-{os.getpid()}",
+                holder=holder_name(f"{self.config.engine_id}-{os.getpid()}"),  # the store checks holders
                 enable_events=self.kv_events_config.enable_kv_cache_events,
             )
         return self._manager
