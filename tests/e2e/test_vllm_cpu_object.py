@@ -91,5 +91,5 @@ def test_round_two_comes_back_from_the_bucket_and_a_fresh_store_shares_it(cluste
         stats = ray.get(store.stats.remote())
     finally:
         shutdown_llm(llm)
-    assert_served_by_kvstrata(round1, round3)
+    assert_served_by_kvstrata(round1[:2], round3)  # the prompts it ran, each against its reference
     assert stats["object_promotions"] >= 2 * 12
