@@ -145,3 +145,24 @@ def test_cli_purge_of_a_bad_namespace_exits_non_zero_before_reaching_a_store(bad
         main(["purge", "--namespace", bad])
     assert exited.value.code == 2
     assert "invalid namespace" in capsys.readouterr().err
+
+
+def test_a_step_purges_a_namespace_only_for_an_engine_that_registered_it(tmp_path):
+    """A tenant empties its own namespace; an engine naming another's is refused (counted,
+    said in the reply) and that namespace keeps every chunk."""
+    slot = 4096
+    store = NodeStore(load_config(store_config(tmp_path, capacity=16 * slot)), "node0")
+    try:
+        store.register("owner", "tenant-a-ns", slot)
+        store.register("intruder", "tenant-b-ns", slot)
+        pool = store.arena.pools["tenant-a-ns"]
+        slots = pool.reserve("owner", 2)
+        store.step(StepRequest("owner", "tenant-a-ns", commit=[(slots[0], key(1)), (slots[1], key(2))]))
+        reply = store.step(StepRequest("intruder", "tenant-a-ns", purge=True))
+        assert any("purge of tenant-a-ns refused" in reason for reason in reply.rejected)
+        assert sorted(store.keys("tenant-a-ns")) == sorted([key(1), key(2)])
+        assert store.stats()["purges_refused"] == 1
+        store.step(StepRequest("owner", "tenant-a-ns", purge=True))
+        assert store.keys("tenant-a-ns") == []
+    finally:
+        store.close()

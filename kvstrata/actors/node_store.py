@@ -93,6 +93,7 @@ class NodeStore(StoreControl):
         self._lock = threading.RLock()
         self._logs = {}
         self.layouts = {}
+        self._registered = set()
         self.counters = {
             "promotions": 0,
             "promotion_failures": 0,

@@ -77,6 +77,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 self._assign_tenant(namespace, str(layout.get("namespace_prefix", "")))
             self._refresh_object_index(namespace)
             self.arena.renew(holder)
+            self._registered.add((holder, namespace))
             seq, changes = self._log(namespace).snapshot()
             if watch:
                 pool.watch(holder, seq)
@@ -112,8 +113,14 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                     "kvstrata node store: %d HITs of %s lost their slot before their pin: %s",
                     len(refused), request.holder, refused[0],
                 )  # fmt: skip
-            if request.purge:
+            purge_refused = []
+            if request.purge and (request.holder, namespace) in self._registered:
                 self._purge(namespace)
+            elif request.purge:
+                # Only an engine of the namespace may empty it (holders are self-asserted,
+                # but one that never registered it names no namespace of its own).
+                self.counters["purges_refused"] = self.counters.get("purges_refused", 0) + 1
+                purge_refused.append(f"purge of {namespace} refused: {request.holder} has not registered it")
             committed, rejected = pool.commit_many(request.holder, request.commit)
             if committed:
                 self._copy_commits(namespace, pool, committed)
@@ -151,7 +158,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 changes=changes,
                 slots=self._slots_of(pool, changes),
                 snapshot=snapshot,
-                rejected=refused + rejected,
+                rejected=refused + rejected + purge_refused,
                 indexed=self._indexed(namespace),
             )
 
@@ -201,6 +208,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         check_holder(holder)
         with self._lock:
             self.arena.release_holder(holder)
+            self._registered = {entry for entry in self._registered if entry[0] != holder}
 
     # --- internals -----------------------------------------------------------------------
 

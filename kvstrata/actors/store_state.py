@@ -49,6 +49,7 @@ class StoreState:
     _lock: threading.RLock
     _logs: dict[str, ChangeLog]  # namespace -> where its chunks are (CPU, STORAGE, OBJECT, PEER)
     layouts: dict[str, dict[str, object]]
+    _registered: set[tuple[str, str]]  # (holder, namespace) registered with this store: who may purge
     counters: dict[str, int]
     io_meter: IoMeter  # bytes, chunks and seconds each tier moved (status, metrics)
     _clock: Callable[[], float]
