@@ -115,6 +115,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             pool.touch(request.touch)
             pinned = pool.pin(request.holder, request.pin)
             self.counters["engine_pins"] += len(pinned)
+            self._copy_reused(namespace, pool, [key for key, _ in request.hold] + list(pinned))  # uses: admission.py
             promoting = self._promote(namespace, pool, [key for key in request.pin if key not in pinned])
             pending = [key for key in request.pin if promoting.get(key)]
             missing = [key for key in request.pin if promoting.get(key) is False]
