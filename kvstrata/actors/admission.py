@@ -17,7 +17,11 @@ already reused, else when a later use makes it reused while it is still in the a
 not copied at commit or eviction is counted in `disk_writes_skipped_reuse` /
 `object_uploads_skipped_reuse` (a late copy may still follow).
 
-Owns: `_reuse` (None when no tier uses `reuse`) and the two counters. Called under the
+Also owns the store's side of `admission.load` (load or recompute): `tier_estimates`,
+what each lower tier delivered to promotions, sent to engines with every step reply
+(connector/load_admission.py decides there).
+
+Owns: `_reuse` (None when no tier uses `reuse`), the two counters, `tier_estimates`. Called under the
 store lock (the sketch is not thread-safe). Must not: queue copies itself (cascade.py
 does: `_copy_down`).
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 from kvstrata.actors.store_state import StoreState
 from kvstrata.tiers.arena import SlotPool
+from kvstrata.tiers.estimates import TierEstimates
 from kvstrata.tiers.frequency import ReuseCounter
 
 
@@ -39,6 +44,15 @@ class ReuseAdmission(StoreState):
         self._reuse = ReuseCounter(store.window, store.min_uses) if self._reuse_disk or self._reuse_object else None
         self.counters["disk_writes_skipped_reuse"] = 0
         self.counters["object_uploads_skipped_reuse"] = 0
+        # What each lower tier delivered to promotions (promotion.py observes), for engines'
+        # `admission.load: break_even`; the estimates ride on every step reply.
+        self.tier_estimates = TierEstimates(self._clock)
+
+    def _tier_costs(self) -> dict[str, tuple[float, float, float]]:
+        return {
+            tier: (cost.latency_seconds, cost.bytes_per_second, cost.age_seconds)
+            for tier, cost in self.tier_estimates.costs().items()
+        }
 
     def _admit_commits(
         self, namespace: str, committed: list[tuple[bytes, int]], to_disk: bool, to_object: bool

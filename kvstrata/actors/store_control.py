@@ -146,6 +146,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 snapshot=snapshot,
                 rejected=refused + rejected,
                 indexed=self._indexed(namespace),
+                costs=self._tier_costs(),
             )
 
     def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
