@@ -28,7 +28,7 @@ does: `_copy_down`).
 
 from __future__ import annotations
 
-from kvstrata.actors.store_state import StoreState
+from kvstrata.actors.store_state import StoreState, logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.estimates import TierEstimates
 from kvstrata.tiers.frequency import ReuseCounter
@@ -47,6 +47,11 @@ class ReuseAdmission(StoreState):
         # What each lower tier delivered to promotions (promotion.py observes), for engines'
         # `admission.load: break_even`; the estimates ride on every step reply.
         self.tier_estimates = TierEstimates(self._clock)
+        if self._reuse is not None:
+            logger.info(
+                "kvstrata node store: admission to disk %s, object %s (min_uses %d within %d uses per namespace)",
+                store.disk, store.object, store.min_uses, store.window,
+            )  # fmt: skip
 
     def _tier_costs(self) -> dict[str, tuple[float, float, float]]:
         return {

@@ -26,11 +26,14 @@ Python; must not call the store or import vLLM (positions come in as a mapping).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Mapping
 
 from kvstrata.config import AdmissionConfig
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 from kvstrata.tiers.estimates import Cost, break_even
+
+logger = logging.getLogger(__name__)
 
 # The tier a promotion would read a chunk from, in the store's order of preference.
 PROMOTION_ORDER = ((STORAGE, "disk"), (PEER, "peer"), (OBJECT, "object"))
@@ -63,6 +66,12 @@ class LoadAdmission:
         self._cuts: dict[str, int | None] = {}  # req_id -> first position recomputed (None: load all)
         # `loads_skipped_<tier>`: lower-tier chunks recomputed rather than loaded (the manager's counters).
         self.counters = counters
+        if self.enabled:
+            logger.info(
+                "kvstrata engine: admission.load break_even, recompute rate %s tokens/s, safety margin %.0f%%%s",
+                recompute_tokens_per_second, 100 * self.safety_margin,
+                "" if recompute_tokens_per_second else " (no rate: engine.recompute_tokens_per_second unset, so it loads everything)",
+            )  # fmt: skip
 
     def receive_costs(self, costs: Mapping[str, tuple[float, float, float]], now: float) -> None:
         """The store's estimates as a step reply carries them: tier -> (latency, bytes/s, age)."""

@@ -95,6 +95,8 @@ def test_arena_part_loads_and_the_slow_rest_is_recomputed(env):
     assert [reader.lookup(key(i), context) for i in (1, 2, 3, 4)] == [HIT, HIT, MISS, MISS]
     assert reader.prepare_load([key(1), key(2)], context) is not None  # the arena part loads
     assert reader._counters["loads_skipped_disk"] == 2
+    estimate = store.stats()["report"]["admission"]["estimates"]["disk"]  # what `kvstrata status` shows
+    assert estimate["bytes_per_second"] == pytest.approx(4096.0)
     # The decision holds for the whole request, even on a later scheduling pass.
     assert reader.lookup(key(3), context) is MISS
     reader.on_request_finished(context)

@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.actors.store_metrics import metric_samples
 from kvstrata.cli.status_view import render_store
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult
@@ -80,6 +81,8 @@ def test_write_through_writes_only_what_is_used_again(env, disk_admission):
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(render_store(stats))
     assert "writes skipped as not reused: disk 2, object 0" in console.export_text()
+    samples = {(name, labels.get("tier")): value for name, labels, value in metric_samples(stats)}
+    assert samples[("kvstrata_admission_writes_skipped", "disk")] == 2
 
 
 def test_write_back_keeps_a_one_off_off_disk_when_the_arena_evicts_it(env):
