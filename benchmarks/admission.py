@@ -136,7 +136,9 @@ def main() -> int:
         table.add_column(column, justify="left" if column == "admission.store" else "right")
     for policy, row in results.items():
         table.add_row(policy, str(row["disk_writes"]), str(row["object_puts"]), str(row["hit_tokens"]), f"{row['seconds']:.1f}")
-    writes = lambda row: row["disk_writes"] + row["object_puts"]  # noqa: E731
+    def writes(row: dict[str, float]) -> float:
+        return row["disk_writes"] + row["object_puts"]
+
     fewer_writes = 1 - writes(reuse) / max(1, writes(always))
     fewer_hits = 1 - reuse["hit_tokens"] / max(1, always["hit_tokens"])
     console = Console()
