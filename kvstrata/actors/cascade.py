@@ -3,7 +3,8 @@
 A committed chunk is written to disk and uploaded in the background when the tier's
 policy is `write_through`, or when the arena evicts it under `write_back`. The slot stays
 pinned by the copy (holder `CASCADE` for disk, `UPLOAD` for the object store) until the
-copy is done. A full queue drops the copy (counted), never blocks.
+copy is done. A full queue drops the copy (counted), never blocks. With
+`admission.store: reuse` a tier gets only chunks used often enough (admission.py).
 
 Owns: the holders `CASCADE` and `UPLOAD`, the counts of copies in flight
 (`_writes_pending`, `_uploads_pending`), the tiers' write policies, and the arena's

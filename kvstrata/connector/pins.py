@@ -5,7 +5,9 @@
   once, its hold queued for the next request: deferred slot reuse keeps the slot),
   HIT_PENDING for one this engine is storing, RETRY while a promotion (or a fresher
   view of the store) is on its way, MISS otherwise -- and MISS, to recompute, once a
-  request has waited `lookup_wait_seconds`.
+  request has waited `lookup_wait_seconds`. With `admission.load: break_even`, MISS
+  from the chunk on where loading the rest from a lower tier would be slower than
+  recomputing it (load_admission.py decides, once per request).
 - `prepare_load` hands out the slots of pinned chunks; `complete_load` lets them go.
 - `prepare_store` takes slots from the stock reserved in advance (head of the prefix
   first); `complete_store` commits or releases them.
