@@ -7,8 +7,9 @@ object store, both `write_through`. Engines are stood in for by direct step call
 an engine's manager makes them: each request pins its prompt's chunks in prefix order
 (waiting while the store promotes from disk or the bucket), then stores the chunks after
 its hit. `--one-off` of the requests are prompts seen once; the rest draw uniformly from
-`--repeated` prompts. The same trace runs with `admission.store.disk/object: always` and
-`reuse` (min_uses 2); the table gives disk writes, object PUTs and hit tokens of each.
+`--repeated` prompts. The same trace runs with `admission.store.disk/object` both
+`always`, both `reuse` (min_uses 2), and disk `always` with object `reuse`; the table gives
+disk writes, object PUTs and hit tokens of each.
 
 Goal (issue #28): with `reuse`, >= 50 % fewer writes and <= 5 % fewer hit tokens.
 
@@ -50,7 +51,7 @@ def trace(requests: int, one_off: float, repeated: int, chunks: int, seed: int) 
     return out
 
 
-def run(policy: str, requests: list[list[bytes]], workdir: Path, arena_slots: int) -> dict[str, float]:
+def run(disk: str, bucket: str, requests: list[list[bytes]], workdir: Path, arena_slots: int) -> dict[str, float]:
     config = {
         "tiers": {
             "cpu": {"capacity": arena_slots * SLOT, "segment_size": 16 * SLOT, "shm_dir": str(workdir / "shm"), "prefault": False},
@@ -58,7 +59,7 @@ def run(policy: str, requests: list[list[bytes]], workdir: Path, arena_slots: in
             "object": {"url": f"file://{workdir / 'bucket'}", "write_policy": "write_through", "queue_depth": 4096},
         },
         "engine": {"reserve_slots": 8},
-        "admission": {"store": {"disk": policy, "object": policy, "min_uses": 2}},
+        "admission": {"store": {"disk": disk, "object": bucket, "min_uses": 2}},
     }
     (workdir / "shm").mkdir(parents=True, exist_ok=True)
     store = NodeStore(config, "bench-node")
@@ -125,10 +126,10 @@ def main() -> int:
     args = parser.parse_args()
     requests = trace(args.requests, args.one_off, args.repeated, args.chunks, args.seed)
     results = {}
-    for policy in ("always", "reuse"):
+    for disk, bucket in (("always", "always"), ("reuse", "reuse"), ("always", "reuse")):
         with tempfile.TemporaryDirectory(prefix="kvstrata-bench-admission-") as workdir:
-            results[policy] = run(policy, requests, Path(workdir), args.arena_slots)
-    always, reuse = results["always"], results["reuse"]
+            results[f"disk {disk}, object {bucket}"] = run(disk, bucket, requests, Path(workdir), args.arena_slots)
+    always, reuse = results["disk always, object always"], results["disk reuse, object reuse"]
     table = Table(
         title=f"{args.requests} requests x {args.chunks} chunks, {args.one_off:.0%} one-off, arena {args.arena_slots} slots"
     )
@@ -144,6 +145,11 @@ def main() -> int:
     console = Console()
     console.print(table)
     console.print(f"reuse vs always: {fewer_writes:.0%} fewer writes, {fewer_hits:.1%} fewer hit tokens")
+    mixed = results["disk always, object reuse"]
+    console.print(
+        f"disk always + object reuse vs always: {1 - mixed['object_puts'] / max(1, always['object_puts']):.0%} fewer PUTs, "
+        f"{1 - mixed['hit_tokens'] / max(1, always['hit_tokens']):.1%} fewer hit tokens"
+    )
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
     return 0
