@@ -137,3 +137,25 @@ def test_no_group_is_loaded_beyond_its_anchor(env):
     assert [reader.lookup(key(i), context) for i in (1, 2, 3)] == [HIT, HIT, MISS]
     # The window group, scanned from the end: nothing at or after the cut.
     assert [reader.lookup(key(i, 1), context) for i in (4, 3, 2)] == [MISS, MISS, HIT]
+
+
+def test_an_estimate_goes_stale_on_the_engine_too():
+    """The engine ages what the store sent by the time since it arrived: a tier measured
+    slow long ago is tried again (loading is what measures it)."""
+    from kvstrata.config import AdmissionConfig
+    from kvstrata.connector.load_admission import LoadAdmission, source_tier
+    from kvstrata.tiers.changelog import OBJECT, PEER, STORAGE
+
+    counters = {"loads_skipped_disk": 0, "loads_skipped_peer": 0, "loads_skipped_object": 0}
+    admission = LoadAdmission(AdmissionConfig(load="break_even", stale_seconds=30), 1000.0, SLOT, counters)
+    admission.receive_costs({"object": (0.0, 4096.0, 5.0)}, now=100.0)  # measured 5 s before it arrived
+    mirror = {key(1): {OBJECT}, key(2): {OBJECT}}
+    positions = {key(1): TOKENS, key(2): 2 * TOKENS}
+
+    def recomputes(req_id: str, now: float) -> bool:
+        return admission.decide(req_id, TOKENS, positions, mirror, (), lambda k: 0, now)
+
+    assert recomputes("fresh", now=110.0)  # 15 s old: trusted, 2 s of loading vs 64 ms
+    assert counters["loads_skipped_object"] == 2
+    assert not recomputes("stale", now=130.0)  # 35 s old: load, and measure again
+    assert source_tier({STORAGE, OBJECT}) == "disk" and source_tier({PEER, OBJECT}) == "peer"
