@@ -253,6 +253,38 @@ class EngineConfig(_Strict):
         description="threads a CPU engine's worker copies one large transfer with (CUDA copies run on "
         "their own streams and ignore this)",
     )
+    recompute_tokens_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        description="this engine's prefill rate (tokens/s), which `admission.load: break_even` weighs "
+        "loads against (unset: break_even loads everything)",
+    )
+
+
+class StoreAdmissionConfig(_Strict):
+    """Which chunks the cascade writes down to disk and to the object store."""
+
+    disk: Literal["always", "reuse"] = Field(default="always", description="reuse: only chunks used min_uses times")
+    object: Literal["always", "reuse"] = Field(default="always", description="reuse: only chunks used min_uses times")
+    min_uses: int = Field(default=2, ge=1, le=255, description="uses within the window before a chunk is written down")
+    window: int = Field(
+        default=100_000, ge=1024, le=1 << 26, description="chunk uses per namespace after which counts halve"
+    )
+
+
+class AdmissionConfig(_Strict):
+    """Cost-based admission: what engines load from the lower tiers, what the store writes to them."""
+
+    load: Literal["always", "break_even"] = Field(
+        default="always", description="break_even: recompute a prefix's rest when loading it would be slower"
+    )
+    safety_margin: float = Field(
+        default=0.2, ge=0, le=10, description="recompute only when loading is slower by more than this fraction"
+    )
+    stale_seconds: float = Field(
+        default=30.0, gt=0, description="an estimate older than this is not trusted: the next hit loads and measures"
+    )
+    store: StoreAdmissionConfig = StoreAdmissionConfig()
 
 
 class RayConfig(_Strict):
@@ -318,6 +350,7 @@ class KvstrataConfig(_Strict):
     )
     tiers: TiersConfig = TiersConfig()
     engine: EngineConfig = EngineConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     ray: RayConfig = RayConfig()
     cluster: ClusterConfig | None = Field(
         default=None, description="multi-node: directory and peer fetch (off: each node's store stands alone)"

@@ -3,17 +3,22 @@
 `weed mini` does not come back on the same port after a restart here, so tests of
 recovery put this in front of it instead: `cut()` drops every open connection and
 resets new ones (what clients see of a dead server), `restore()` forwards again.
+`bytes_per_second` caps what all its connections together carry (both directions share
+one budget), as a throttled bucket or a far link would.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 
 class TcpProxy:
-    def __init__(self, target_port: int, host: str = "127.0.0.1"):
+    def __init__(self, target_port: int, host: str = "127.0.0.1", bytes_per_second: float | None = None):
         self.target = (host, target_port)
+        self.bytes_per_second = bytes_per_second
+        self._next_free = 0.0  # when the capped link is free again (monotonic)
         self._listener = socket.create_server((host, 0))
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
@@ -79,8 +84,10 @@ class TcpProxy:
 
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
-            while data := source.recv(1 << 20):
+            while data := source.recv(1 << 20 if self.bytes_per_second is None else 1 << 14):
                 sink.sendall(data)
+                if self.bytes_per_second is not None:
+                    self._pace(len(data))
         except OSError:
             pass
         finally:
@@ -88,6 +95,16 @@ class TcpProxy:
                 self._open -= {source, sink}
             _close(source)
             _close(sink)
+
+
+    def _pace(self, nbytes: int) -> None:
+        """Hold this pump until the link would have carried `nbytes` at the cap (no burst credit)."""
+        with self._lock:
+            now = time.monotonic()
+            self._next_free = max(now, self._next_free) + nbytes / self.bytes_per_second
+            wait = self._next_free - now
+        if wait > 0:
+            time.sleep(wait)  # throttling, not synchronisation
 
 
 def _close(sock: socket.socket) -> None:

@@ -111,3 +111,14 @@ def test_shipped_multinode_config_and_cluster_checks():
     assert load_config({}).cluster is None  # one node stands alone unless told otherwise
     with pytest.raises(ConfigError, match=r"cluster\.directory_shards"):
         load_config({"cluster": {"directory_shards": 0}})
+
+
+def test_admission_defaults_change_nothing_and_bad_values_name_their_key() -> None:
+    config = load_config({})
+    assert config.admission.load == "always"
+    assert config.admission.store.disk == config.admission.store.object == "always"
+    assert config.engine.recompute_tokens_per_second is None
+    tuned = load_config({"admission": {"load": "break_even", "store": {"object": "reuse", "min_uses": 3}}})
+    assert tuned.admission.store.object == "reuse" and tuned.admission.store.min_uses == 3
+    with pytest.raises(ConfigError, match="admission"):
+        load_config({"admission": {"store": {"disk": "sometimes"}}})

@@ -3,7 +3,8 @@
 A committed chunk is written to disk and uploaded in the background when the tier's
 policy is `write_through`, or when the arena evicts it under `write_back`. The slot stays
 pinned by the copy (holder `CASCADE` for disk, `UPLOAD` for the object store) until the
-copy is done. A full queue drops the copy (counted), never blocks.
+copy is done. A full queue drops the copy (counted), never blocks. With
+`admission.store: reuse` a tier gets only chunks used often enough (admission.py).
 
 Owns: the holders `CASCADE` and `UPLOAD`, the counts of copies in flight
 (`_writes_pending`, `_uploads_pending`), the tiers' write policies, and the arena's
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 import time
 
+from kvstrata.actors.admission import ReuseAdmission
 from kvstrata.actors.disk_jobs import submit_disk_jobs
-from kvstrata.actors.store_state import StoreState, logger
+from kvstrata.actors.store_state import logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.changelog import OBJECT
 
@@ -29,12 +31,13 @@ CASCADE = "kvstrata:cascade"
 UPLOAD = "kvstrata:upload"
 
 
-class Cascade(StoreState):
+class Cascade(ReuseAdmission):
     """Mixin of `NodeStore`: disk writes and object uploads of arena chunks."""
 
     def _init_cascade(self) -> None:
         self._uploads_pending = 0
         self._writes_pending = 0
+        self._init_admission()
 
     @property
     def _write_through(self) -> bool:
@@ -52,13 +55,25 @@ class Cascade(StoreState):
             pool.on_evict = lambda key, slot: self._write_back(namespace, pool, key, slot, disk_back, object_back)
 
     def _copy_commits(self, namespace: str, pool: SlotPool, committed: list[tuple[bytes, int]]) -> None:
-        """Commit hook (under the lock): queue the `write_through` copies of committed chunks."""
-        if self._write_through:
-            pool.pin_slots(CASCADE, [slot for _, slot in committed])
-            self._queue_writes(namespace, pool, committed)
-        if self._upload_through:
-            pool.pin_slots(UPLOAD, [slot for _, slot in committed])
-            self._queue_uploads(namespace, pool, committed)
+        """Commit hook (under the lock): queue the `write_through` copies of committed chunks
+        the tiers admit (admission.py: with `reuse`, only chunks already used enough)."""
+        to_disk, to_object = self._admit_commits(namespace, committed, self._write_through, self._upload_through)
+        self._copy_down(namespace, pool, to_disk, to_object)
+
+    def _copy_reused(self, namespace: str, pool: SlotPool, keys: list[bytes]) -> None:
+        """Use hook (under the lock, HITs and pins): late copies of chunks that just became reused."""
+        to_disk, to_object = self._note_reuse(namespace, pool, keys, self._write_through, self._upload_through)
+        self._copy_down(namespace, pool, to_disk, to_object)
+
+    def _copy_down(
+        self, namespace: str, pool: SlotPool, to_disk: list[tuple[bytes, int]], to_object: list[tuple[bytes, int]]
+    ) -> None:
+        if to_disk:
+            pool.pin_slots(CASCADE, [slot for _, slot in to_disk])
+            self._queue_writes(namespace, pool, to_disk)
+        if to_object:
+            pool.pin_slots(UPLOAD, [slot for _, slot in to_object])
+            self._queue_uploads(namespace, pool, to_object)
 
     def _write_back(
         self, namespace: str, pool: SlotPool, key: bytes, slot: int, to_disk: bool, to_object: bool
@@ -66,6 +81,7 @@ class Cascade(StoreState):
         """Eviction hook: keep the evicted bytes pinned until they are on disk and uploaded."""
         # Each accepted copy pins the slot as soon as we return; the jobs' unpins wait for
         # the store lock this call runs under, so they come after.
+        to_disk, to_object = self._admit_eviction(namespace, key, to_disk, to_object)
         keepers = []
         if to_disk and self._queue_writes(namespace, pool, [(key, slot)], pinned=False):
             keepers.append(CASCADE)

@@ -130,6 +130,7 @@ class Promotion(StoreState):
         """Commit what arrived from `source` (disk, peer, object), release the rest, count both."""
         promoted = [(slot, key) for (key, slot), arrived in zip(items, ok) if arrived]
         self.io_meter.record(source, "read", len(promoted) * pool.geometry.slot_bytes, len(promoted), seconds)
+        self.tier_estimates.observe(source, len(promoted) * pool.geometry.slot_bytes, seconds)  # admission.load
         with self._lock:
             self._promoting.difference_update((namespace, key) for key, _ in items)
             _, refused = pool.commit_many(PROMOTE, promoted)

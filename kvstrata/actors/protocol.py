@@ -77,6 +77,8 @@ class StepReply:
     # running: chunks already in the bucket may be missing from `changes`, so this view
     # must not turn a lookup into a MISS.
     indexed: bool = True
+    # What each lower tier delivers lately: tier -> (latency s, bytes/s, age s) (admission.load).
+    costs: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -130,6 +130,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             pool.touch(request.touch)
             pinned = pool.pin(request.holder, request.pin)
             self.counters["engine_pins"] += len(pinned)
+            self._copy_reused(namespace, pool, [key for key, _ in request.hold] + list(pinned))  # uses: admission.py
             promoting = self._promote(namespace, pool, [key for key in request.pin if key not in pinned])
             pending = [key for key in request.pin if promoting.get(key)]
             missing = [key for key in request.pin if promoting.get(key) is False]
@@ -160,6 +161,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 snapshot=snapshot,
                 rejected=refused + rejected + purge_refused,
                 indexed=self._indexed(namespace),
+                costs=self._tier_costs(),
             )
 
     def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:

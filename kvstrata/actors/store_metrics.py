@@ -81,6 +81,15 @@ METRICS: dict[str, MetricSpec] = {
     "kvstrata_object_throttles": MetricSpec("counter", "Object-store answers saying slow down (503 SlowDown, 429).", ("node",)),
     "kvstrata_peer_fetches": MetricSpec("counter", "Fetch calls to other nodes' stores.", ("node",)),
     "kvstrata_peer_fetch_bytes": MetricSpec("counter", "Bytes fetched from other nodes' stores.", ("node",)),
+    "kvstrata_admission_writes_skipped": MetricSpec(
+        "counter", "Copies to a lower tier not made as the chunk was not reused (admission.store: reuse).", _NODE_TIER
+    ),
+    "kvstrata_tier_estimate_bytes_per_second": MetricSpec(
+        "gauge", "What the tier's promotions delivered lately, bytes/s (admission.load weighs it).", _NODE_TIER
+    ),
+    "kvstrata_tier_estimate_latency_seconds": MetricSpec(
+        "gauge", "The tier's fixed cost per promotion batch lately, seconds (admission.load weighs it).", _NODE_TIER
+    ),
     "kvstrata_leases_held": MetricSpec("gauge", "Engines holding a lease on this node's store.", ("node",)),
     "kvstrata_store_pinned_chunks": MetricSpec("gauge", "Arena chunks pinned by engines on this node.", ("node",)),
     "kvstrata_directory_entries": MetricSpec(
@@ -121,6 +130,7 @@ def metric_samples(stats: dict[str, Any]) -> list[Sample]:
         if tier != "cpu":
             samples.append(("kvstrata_promotions", {"node": node, "source": tier}, float(fields.get("hits", 0))))
     samples.extend(_namespace_samples(node, report["namespaces"]))
+    samples.extend(_admission_samples(node, report.get("admission")))
     engines = report["engines"].values()
     samples.append(("kvstrata_leases_held", {"node": node}, float(len(report["engines"]))))
     samples.append(("kvstrata_store_pinned_chunks", {"node": node}, float(sum(engine["pinned"] for engine in engines))))
@@ -130,6 +140,17 @@ def metric_samples(stats: dict[str, Any]) -> list[Sample]:
         samples.append(("kvstrata_peer_fetches", {"node": node}, float(peers.get("fetch_calls", 0))))
         samples.append(("kvstrata_peer_fetch_bytes", {"node": node}, float(peers.get("bytes_fetched", 0))))
     return samples
+
+
+def _admission_samples(node: str, admission: dict[str, Any] | None) -> Iterator[Sample]:
+    if not admission:
+        return
+    for tier, counter in (("disk", "disk_writes_skipped_reuse"), ("object", "object_uploads_skipped_reuse")):
+        yield ("kvstrata_admission_writes_skipped", {"node": node, "tier": tier}, float(admission.get(counter, 0)))
+    for tier, cost in admission.get("estimates", {}).items():
+        labels = {"node": node, "tier": tier}
+        yield ("kvstrata_tier_estimate_bytes_per_second", labels, float(cost["bytes_per_second"]))
+        yield ("kvstrata_tier_estimate_latency_seconds", labels, float(cost["latency_seconds"]))
 
 
 def directory_samples(stats: dict[str, Any]) -> list[Sample]:

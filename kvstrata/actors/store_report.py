@@ -85,11 +85,32 @@ def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[s
         "namespaces": _namespaces(store, disk_stats["resident"] if disk_stats else {}),
         "engines": _engines(store),
         "tenants": _tenants(store, disk_stats),
+        "admission": _admission(store),
         # What this store found of stores that died without cleaning up (kvstrata.tiers.orphans).
         "reclaimed": {
             "shm_files": len(store.arena.reclaimed.files),
             "shm_bytes": store.arena.reclaimed.bytes,
             "disk_locks_taken_over": disk_stats.get("lock_taken_over", 0) if disk_stats else 0,
+        },
+    }
+
+
+def _admission(store: StoreState) -> dict[str, Any]:
+    """Cost-based admission (docs/admission.md): copies skipped as unlikely to be reused,
+    per tier, and what each lower tier delivered lately (the estimates engines weigh loads by)."""
+    counters = store.counters
+    estimates = getattr(store, "tier_estimates", None)
+    costs = estimates.costs() if estimates is not None else {}
+    return {
+        "disk_writes_skipped_reuse": counters.get("disk_writes_skipped_reuse", 0),
+        "object_uploads_skipped_reuse": counters.get("object_uploads_skipped_reuse", 0),
+        "estimates": {
+            tier: {
+                "latency_seconds": cost.latency_seconds,
+                "bytes_per_second": cost.bytes_per_second,
+                "age_seconds": cost.age_seconds,
+            }
+            for tier, cost in costs.items()
         },
     }
 

@@ -42,6 +42,9 @@ def render_store(stats: Mapping[str, Any]) -> RenderableType:
         if tier["state"] in ("error", "paused")
     ]
     parts.extend(problems)
+    admission = admission_line(report.get("admission"))
+    if admission is not None:
+        parts.append(admission)
     if report["namespaces"]:
         parts.append(namespace_table(report["namespaces"]))
     if any(tier.get("quota") is not None for tiers in report.get("tenants", {}).values() for tier in tiers.values()):
@@ -74,6 +77,28 @@ def tier_table(tiers: Mapping[str, Mapping[str, Any]]) -> Table:
             *(_alarm(tier.get(field), field != "evicted") for field in ("evicted", "dropped", "failed", "corrupt")),
         )
     return table
+
+
+def admission_line(admission: Mapping[str, Any] | None) -> Text | None:
+    """Cost-based admission's decisions and estimates (docs/admission.md); None when it has
+    neither skipped anything nor measured a tier (nothing to say)."""
+    if not admission:
+        return None
+    skipped = {
+        "disk": admission.get("disk_writes_skipped_reuse", 0),
+        "object": admission.get("object_uploads_skipped_reuse", 0),
+    }
+    estimates = admission.get("estimates", {})
+    if not any(skipped.values()) and not estimates:
+        return None
+    text = Text("  admission: ")
+    text.append("writes skipped as not reused: " + ", ".join(f"{tier} {_count(n)}" for tier, n in skipped.items()))
+    for tier, cost in estimates.items():
+        text.append(
+            f"  ·  {TIER_NAMES.get(tier, tier)} delivers {_rate(cost['bytes_per_second'])} GB/s"
+            f" after {cost['latency_seconds'] * 1000:.1f} ms ({cost['age_seconds']:.0f} s ago)"
+        )
+    return text
 
 
 def namespace_table(namespaces: Mapping[str, Mapping[str, Any]]) -> Table:

@@ -126,6 +126,12 @@ def key_position(req_context: ReqContext, key: bytes) -> int | None:
     return None if get is None else get(key)
 
 
+def key_positions(req_context: ReqContext) -> Mapping[bytes, int] | None:
+    """Every chunk of the request and the token its prefix ends at, as the scheduler
+    recorded them before its lookups (0.32+; None before). Read-only: vLLM owns it."""
+    return getattr(req_context, "_offload_key_positions", None)
+
+
 def group_ids(config: OffloadingConfig) -> tuple[int, ...]:
     """The KV-cache group index of each offloaded group (0.29: its position in `groups`)."""
     return tuple(getattr(group, "group_id", index) for index, group in enumerate(config.groups))
@@ -264,6 +270,7 @@ __all__ = [
     "engine_vllm_config",
     "group_ids",
     "key_position",
+    "key_positions",
     "load_source",
     "make_event",
     "model_download_dir",

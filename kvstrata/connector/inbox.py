@@ -160,6 +160,8 @@ class ReplyInbox(ManagerState):
         if reply.reserve_cap:
             self._reserve_target = min(self._reserve_target, reply.reserve_cap)
             self._reserve_cap = reply.reserve_cap
+        if reply.costs:
+            self._load_admission.receive_costs(reply.costs, self._clock())
         for key, slot in reply.pinned.items():
             held = self._pinned.get(key)
             if held is None:

@@ -46,6 +46,7 @@ from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import KvstrataConfig
 from kvstrata.connector.compat import OffloadingEvent
 from kvstrata.connector.control import ControlChannel
+from kvstrata.connector.load_admission import LoadAdmission
 from kvstrata.connector.metrics import COUNTER_NAMES
 from kvstrata.keys import Layout
 from kvstrata.tiers.arena import PoolGeometry
@@ -95,6 +96,10 @@ class ManagerState:
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._reported: dict[str, int] = {}  # empty: the first report sends every counter, zeros too
+        # admission.load: break_even -- where each request stops loading (load_admission.py)
+        self._load_admission = LoadAdmission(
+            config.admission, config.engine.recompute_tokens_per_second, layout.slot_bytes, self._counters
+        )
 
         # key -> tiers ("CPU", "STORAGE") of the node store that hold it
         self._mirror: dict[bytes, set[str]] = {}

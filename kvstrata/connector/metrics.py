@@ -28,6 +28,9 @@ COUNTER_NAMES = {
     "lookups_retried": "Lookups answered RETRY: the request waits a step for the store (promotion, a stale view).",
     "hits_without_round_trip": "Arena-resident chunks answered HIT at their first lookup, with no store call.",
     "holds_refused": "HITs whose pin the node store refused (never expected; each is logged).",
+    "loads_skipped_disk": "Chunks on the node's disk recomputed because loading them was slower (admission.load).",
+    "loads_skipped_peer": "Chunks on another node recomputed because loading them was slower (admission.load).",
+    "loads_skipped_object": "Chunks in the object store recomputed because loading them was slower (admission.load).",
 }
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",

@@ -5,7 +5,9 @@
   once, its hold queued for the next request: deferred slot reuse keeps the slot),
   HIT_PENDING for one this engine is storing, RETRY while a promotion (or a fresher
   view of the store) is on its way, MISS otherwise -- and MISS, to recompute, once a
-  request has waited `lookup_wait_seconds`.
+  request has waited `lookup_wait_seconds`. With `admission.load: break_even`, MISS
+  from the chunk on where loading the rest from a lower tier would be slower than
+  recomputing it (load_admission.py decides, once per request).
 - `prepare_load` hands out the slots of pinned chunks; `complete_load` lets them go.
 - `prepare_store` takes slots from the stock reserved in advance (head of the prefix
   first); `complete_store` commits or releases them.
@@ -39,6 +41,8 @@ from kvstrata.connector.compat import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    key_position,
+    key_positions,
     load_source,
     make_event,
     override,
@@ -46,7 +50,7 @@ from kvstrata.connector.compat import (
 from kvstrata.connector.eviction import EvictionOrder
 from kvstrata.connector.inbox import ReplyInbox
 from kvstrata.connector.manager_state import Pin
-from kvstrata.keys import key_name
+from kvstrata.keys import key_group, key_name
 from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.changelog import CPU
 
@@ -88,6 +92,9 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         req_id = req_context.req_id
         now = self._clock()
         arrived = self._arrived.setdefault(req_id, now)
+        position = key_position(req_context, key)
+        if self._load_admission.cut_before(req_id, position):
+            return LookupResult.MISS  # this request recomputes from an earlier chunk on
         pin = self._pinned.get(key)
         if pin is not None and pin.epoch == self._epoch:
             pin.requests.add(req_id)
@@ -113,6 +120,10 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             if key in self._pin_waiters or key in self._mirror or self._view_as_of < arrived - self._max_view_age:
                 self._counters["lookups_timed_out"] += 1
             return LookupResult.MISS
+        if key in self._mirror and self._load_admission.decide(
+            req_id, position, key_positions(req_context), self._mirror, self._anchor_groups, key_group, now
+        ):
+            return LookupResult.MISS  # loading the rest from a lower tier is slower than recomputing it
         waiters = self._pin_waiters.get(key)
         if waiters is not None:
             waiters.add(req_id)
@@ -223,6 +234,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         with self._lock:
             req_id = req_context.req_id
             self._arrived.pop(req_id, None)
+            self._load_admission.forget(req_id)
             self._touch_tail_first(self._req_used.pop(req_id, {}))
             for key in self._req_keys.pop(req_id, ()):
                 pin = self._pinned.get(key)

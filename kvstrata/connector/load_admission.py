@@ -1,0 +1,148 @@
+"""Load or recompute (`admission.load: break_even`): where a request's prefix stops loading.
+
+Why: a chunk in a slow tier (a throttled bucket, a busy disk, a far peer) is a "hit"
+that can arrive later than the engine would have recomputed it. The node store measures
+what each tier delivers (tiers/estimates.py) and sends the estimates with every step
+reply; this engine knows its prefill rate (`engine.recompute_tokens_per_second`).
+
+How: the first time a request's lookup reaches a chunk that is not in the arena but in a
+lower tier, `LoadAdmission.decide` takes the rest of the prefix from there -- the
+request's chunks at that position and after, as far as the anchor (full-attention)
+chunks are known to some tier -- and weighs loading its lower-tier chunks (by the tier
+each would come from) against recomputing its tokens (`estimates.break_even`). If
+recomputing wins, the request's *cut* is that position: every lookup of the request at
+or after it answers MISS, for every group. So the arena part before the cut is still
+loaded, the rest is recomputed, whole chunks in prefix order; and no group is loaded
+beyond its anchor (vLLM takes the smallest hit over the groups). The decision is made
+once per request, so a RETRY pass cannot change it half way.
+
+What it needs of vLLM: the positions of the request's chunks (`ReqContext` records them
+for every key from 0.32 on, before any lookup). Without them, or without a recompute
+rate, or before a tier has a fresh estimate, everything loads (loading is what measures
+a tier). Invariants: a cut only moves MISSes earlier, never turns a MISS into a HIT; a
+request's cut is fixed once decided and forgotten when the request finishes. Plain
+Python; must not call the store or import vLLM (positions come in as a mapping).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+
+from kvstrata.config import AdmissionConfig
+from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
+from kvstrata.tiers.estimates import Cost, break_even
+
+logger = logging.getLogger(__name__)
+
+# The tier a promotion would read a chunk from, in the store's order of preference.
+PROMOTION_ORDER = ((STORAGE, "disk"), (PEER, "peer"), (OBJECT, "object"))
+TIERS = tuple(tier for _, tier in PROMOTION_ORDER)
+
+
+def source_tier(media: Collection[str]) -> str | None:
+    """The lower tier the store would promote a chunk from; None if it is in none."""
+    for medium, tier in PROMOTION_ORDER:
+        if medium in media:
+            return tier
+    return None
+
+
+class LoadAdmission:
+    def __init__(
+        self,
+        admission: AdmissionConfig,
+        recompute_tokens_per_second: float | None,
+        chunk_bytes: int,
+        counters: dict[str, int],
+    ):
+        self.enabled = admission.load == "break_even"
+        self.safety_margin = admission.safety_margin
+        self.stale_seconds = admission.stale_seconds
+        self.recompute_tokens_per_second = recompute_tokens_per_second
+        self.chunk_bytes = chunk_bytes
+        self.costs: dict[str, Cost] = {}
+        self._costs_at = 0.0  # when `costs` arrived (the engine's clock)
+        self._cuts: dict[str, int | None] = {}  # req_id -> first position recomputed (None: load all)
+        # `loads_skipped_<tier>`: lower-tier chunks recomputed rather than loaded (the manager's counters).
+        self.counters = counters
+        if self.enabled:
+            logger.info(
+                "kvstrata engine: admission.load break_even, recompute rate %s tokens/s, safety margin %.0f%%%s",
+                recompute_tokens_per_second, 100 * self.safety_margin,
+                "" if recompute_tokens_per_second else " (no rate: engine.recompute_tokens_per_second unset, so it loads everything)",
+            )  # fmt: skip
+
+    def receive_costs(self, costs: Mapping[str, tuple[float, float, float]], now: float) -> None:
+        """The store's estimates as a step reply carries them: tier -> (latency, bytes/s, age)."""
+        self.costs = {tier: Cost(*values) for tier, values in costs.items()}
+        self._costs_at = now
+
+    def current_costs(self, now: float) -> dict[str, Cost]:
+        waited = max(0.0, now - self._costs_at)
+        return {
+            tier: Cost(cost.latency_seconds, cost.bytes_per_second, cost.age_seconds + waited)
+            for tier, cost in self.costs.items()
+        }
+
+    def cut_before(self, req_id: str, position: int | None) -> bool:
+        """Whether the request already decided to recompute from at or before `position`."""
+        cut = self._cuts.get(req_id)
+        return cut is not None and position is not None and position >= cut
+
+    def decide(
+        self,
+        req_id: str,
+        position: int | None,
+        positions: Mapping[bytes, int] | None,
+        mirror: Mapping[bytes, Collection[str]],
+        anchor_groups: Collection[int],
+        group_of: Callable[[bytes], int],
+        now: float,
+    ) -> bool:
+        """At a chunk that would come from a lower tier: True to recompute from here on.
+
+        `positions`: every chunk of the request and the token its prefix ends at;
+        `mirror`: key -> media the store holds it in; `group_of`: a key's KV group.
+        """
+        if not self.enabled or req_id in self._cuts:
+            return self.cut_before(req_id, position)
+        if position is None or not positions:
+            return False  # not recorded: nothing is decided, so a later vLLM may decide
+        anchors = sorted(
+            (pos, key) for key, pos in positions.items() if (group_of(key) in anchor_groups or not anchor_groups)
+        )
+        start = max((pos for pos, _ in anchors if pos < position), default=0)
+        end = position
+        for pos, key in anchors:
+            if pos < position:
+                continue
+            if key not in mirror:
+                break  # the prefix any tier holds ends here
+            end = pos
+        bytes_by_tier: dict[str, int] = {}
+        lower_chunks: dict[str, int] = {}
+        for key, pos in positions.items():
+            media = mirror.get(key)
+            if not media or not position <= pos <= end or CPU in media:
+                continue
+            tier = source_tier(media)
+            if tier is not None:
+                bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + self.chunk_bytes
+                lower_chunks[tier] = lower_chunks.get(tier, 0) + 1
+        load, _ = break_even(
+            bytes_by_tier,
+            end - start,
+            self.current_costs(now),
+            self.recompute_tokens_per_second,
+            self.safety_margin,
+            self.stale_seconds,
+        )
+        self._cuts[req_id] = None if load else position
+        if not load:
+            for tier, chunks in lower_chunks.items():
+                self.counters[f"loads_skipped_{tier}"] += chunks
+        return not load
+
+    def forget(self, req_id: str) -> None:
+        self._cuts.pop(req_id, None)

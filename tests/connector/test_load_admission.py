@@ -1,0 +1,161 @@
+"""`admission.load: break_even` behind the manager: a prefix split across the arena and a
+slow tier loads its arena part and recomputes the rest -- whole chunks, in prefix order,
+and no group beyond its anchor -- while a fast tier, an unknown one or `always` loads
+everything. In-process node store with a disk tier whose measured speed the test sets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.config import load_config
+from kvstrata.connector.compat import LookupResult, ReqContext
+from kvstrata.connector.manager import StrataManager
+from kvstrata.tiers.disk import HEADER_BYTES
+from tests.connector.harness import SLOT, step, store_chunks
+from tests.utils import key, layout, store_config
+
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+TOKENS = 32  # per chunk (tests.utils.layout)
+RECOMPUTE = 1000.0  # tokens/s: two chunks recompute in 64 ms
+
+
+@pytest.fixture
+def env(tmp_path):
+    made = {"stores": [], "managers": []}
+
+    def store(load: str = "break_even"):
+        disk = {"path": str(tmp_path / "disk"), "capacity": 64 * (SLOT + HEADER_BYTES), "write_policy": "write_through"}
+        raw = store_config(tmp_path, capacity=12 * SLOT, reserve_slots=2, disk=disk)
+        raw["admission"] = {"load": load, "safety_margin": 0.2}
+        raw["engine"]["recompute_tokens_per_second"] = RECOMPUTE
+        node_store = NodeStore(load_config(raw), "node0")
+        made["stores"].append(node_store)
+        return node_store
+
+    def manager(node_store, holder, hybrid=False):
+        kv = layout(worker_bytes=SLOT)
+        if hybrid:  # group 0 full attention (the anchor), group 1 a sliding window
+            kv = dataclasses.replace(kv, group_ids=(0, 1), tokens_per_block=(TOKENS, TOKENS), anchor_groups=(0,))
+        m = StrataManager(LocalStoreClient(node_store), kv, node_store.config, holder, enable_events=True)
+        made["managers"].append(m)
+        assert m.wait_idle(10)
+        return m
+
+    yield store, manager
+    for m in made["managers"]:
+        m.shutdown()
+    for s in made["stores"]:
+        s.close()
+
+
+def split_prefix(store, writer, keys_on_disk, keys_in_arena):
+    """`keys_on_disk` end up on disk only, `keys_in_arena` in the arena (and on disk)."""
+    store_chunks(store, writer, keys_on_disk, settle=True)
+    pool = store.arena.pools[writer.namespace]
+    filler = 100
+    while any(pool.lookup(k) is not None for k in keys_on_disk):
+        store_chunks(store, writer, [key(filler), key(filler + 1)], seed=filler, settle=True)
+        step(writer, store)
+        filler += 2
+        assert filler < 200
+    for i in range(0, len(keys_in_arena), 2):  # two at a time: the writer's stock of slots
+        store_chunks(store, writer, keys_in_arena[i : i + 2], seed=7 + i, settle=True)
+        step(writer, store)
+    assert all(pool.lookup(k) is not None for k in keys_in_arena)
+
+
+def request(positions: dict[bytes, int]) -> ReqContext:
+    """A request whose chunks vLLM has recorded (as its scheduler does before lookups)."""
+    context = ReqContext(req_id="prompt")
+    for k, end_token in positions.items():
+        context.set_offload_key_position(k, end_token)
+    return context
+
+
+def measured(store, reader, bytes_per_second: float) -> None:
+    """The disk tier's promotions delivered `bytes_per_second`; the reader hears it."""
+    for size in (SLOT, 4 * SLOT, 16 * SLOT):
+        store.tier_estimates.observe("disk", size, size / bytes_per_second)
+    step(reader, store)
+    assert "disk" in reader._load_admission.costs
+
+
+def test_arena_part_loads_and_the_slow_rest_is_recomputed(env):
+    make_store, make_manager = env
+    store = make_store()
+    writer = make_manager(store, "writer")
+    # Chunks 1, 2 in the arena; 3, 4 only on a disk delivering 4 KB/s: 2 s to load, 64 ms to recompute.
+    split_prefix(store, writer, [key(3), key(4)], [key(1), key(2)])
+    reader = make_manager(store, "reader")
+    measured(store, reader, 4096.0)
+    context = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
+    assert [reader.lookup(key(i), context) for i in (1, 2, 3, 4)] == [HIT, HIT, MISS, MISS]
+    assert reader.prepare_load([key(1), key(2)], context) is not None  # the arena part loads
+    assert reader._counters["loads_skipped_disk"] == 2
+    estimate = store.stats()["report"]["admission"]["estimates"]["disk"]  # what `kvstrata status` shows
+    assert estimate["bytes_per_second"] == pytest.approx(4096.0)
+    # The decision holds for the whole request, even on a later scheduling pass.
+    assert reader.lookup(key(3), context) is MISS
+    reader.on_request_finished(context)
+
+
+@pytest.mark.parametrize(
+    ("load", "bytes_per_second"),
+    [("break_even", 1e9), ("always", 4096.0), ("break_even", None)],
+    ids=["fast-tier", "always", "never-measured"],
+)
+def test_a_fast_tier_always_or_no_estimate_loads_the_rest(env, load, bytes_per_second):
+    make_store, make_manager = env
+    store = make_store(load)
+    writer = make_manager(store, "writer")
+    split_prefix(store, writer, [key(3), key(4)], [key(1), key(2)])
+    reader = make_manager(store, "reader")
+    if bytes_per_second is not None:
+        measured(store, reader, bytes_per_second)
+    context = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
+    # On disk only: RETRY while the store promotes it (the load path).
+    assert [reader.lookup(key(i), context) for i in (1, 2, 3)] == [HIT, HIT, RETRY]
+    assert reader._counters["loads_skipped_disk"] == 0
+
+
+def test_no_group_is_loaded_beyond_its_anchor(env):
+    make_store, make_manager = env
+    store = make_store()
+    writer = make_manager(store, "writer", hybrid=True)
+    # The anchor group's chunks 3, 4 are on the slow disk only; the window group's chunks
+    # at every position are in the arena. Recomputing from chunk 3 must recompute the
+    # window group there too: vLLM scans the window group from the end, so a HIT at 4
+    # would otherwise load a window without the full-attention chunks it belongs to.
+    split_prefix(store, writer, [key(3), key(4)], [key(1), key(2), key(1, 1), key(2, 1), key(3, 1), key(4, 1)])
+    reader = make_manager(store, "reader", hybrid=True)
+    measured(store, reader, 4096.0)
+    positions = {key(i, g): i * TOKENS for i in (1, 2, 3, 4) for g in (0, 1)}
+    context = request(positions)
+    assert [reader.lookup(key(i), context) for i in (1, 2, 3)] == [HIT, HIT, MISS]
+    # The window group, scanned from the end: nothing at or after the cut.
+    assert [reader.lookup(key(i, 1), context) for i in (4, 3, 2)] == [MISS, MISS, HIT]
+
+
+def test_an_estimate_goes_stale_on_the_engine_too():
+    """The engine ages what the store sent by the time since it arrived: a tier measured
+    slow long ago is tried again (loading is what measures it)."""
+    from kvstrata.config import AdmissionConfig
+    from kvstrata.connector.load_admission import LoadAdmission, source_tier
+    from kvstrata.tiers.changelog import OBJECT, PEER, STORAGE
+
+    counters = {"loads_skipped_disk": 0, "loads_skipped_peer": 0, "loads_skipped_object": 0}
+    admission = LoadAdmission(AdmissionConfig(load="break_even", stale_seconds=30), 1000.0, SLOT, counters)
+    admission.receive_costs({"object": (0.0, 4096.0, 5.0)}, now=100.0)  # measured 5 s before it arrived
+    mirror = {key(1): {OBJECT}, key(2): {OBJECT}}
+    positions = {key(1): TOKENS, key(2): 2 * TOKENS}
+
+    def recomputes(req_id: str, now: float) -> bool:
+        return admission.decide(req_id, TOKENS, positions, mirror, (), lambda k: 0, now)
+
+    assert recomputes("fresh", now=110.0)  # 15 s old: trusted, 2 s of loading vs 64 ms
+    assert counters["loads_skipped_object"] == 2
+    assert not recomputes("stale", now=130.0)  # 35 s old: load, and measure again
+    assert source_tier({STORAGE, OBJECT}) == "disk" and source_tier({PEER, OBJECT}) == "peer"
