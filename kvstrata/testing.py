@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import string
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -429,3 +429,30 @@ class ChunkProbe:
         for segment in self._segments.values():
             segment.close()
         self._segments.clear()
+
+
+@contextlib.contextmanager
+def local_ray(namespace: str, **init_kwargs: Any) -> Iterator[None]:
+    """A local Ray cluster on loopback for one test module; always shut down.
+
+    RAY_ADDRESS points engine processes spawned meanwhile at this cluster: with
+    `address="auto"` they would join whichever cluster on the machine started last.
+    """
+    import os
+
+    import ray
+
+    # address="local": always a new cluster, never one another process left on the machine.
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False, **init_kwargs
+    )
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = previous
+        ray.shutdown()

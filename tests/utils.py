@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
 
 from kvstrata.keys import Layout, make_key
-from kvstrata.tiers.disk import HEADERS_SUFFIX, PAYLOADS_SUFFIX
-from kvstrata.tiers.records import HEADER_BYTES
+from kvstrata.faults.damage import flip_disk_payload_bytes  # noqa: F401 - re-exported for the tests
+from kvstrata.testing import local_ray  # noqa: F401 - re-exported for the tests
 
 
 class FakeClock:
@@ -65,33 +62,6 @@ def store_config(
     }
 
 
-@contextlib.contextmanager
-def local_ray(namespace: str, **init_kwargs: Any) -> Iterator[None]:
-    """A local Ray cluster on loopback for one test module; always shut down.
-
-    RAY_ADDRESS points engine processes spawned meanwhile at this cluster: with
-    `address="auto"` they would join whichever cluster on the machine started last.
-    """
-    import os
-
-    import ray
-
-    # address="local": always a new cluster, never one another process left on the machine.
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False, **init_kwargs
-    )
-    previous = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = previous
-        ray.shutdown()
-
-
 def crowd_out(pool, evict: int, holder: str = "another-engine") -> list[int]:
     """Another engine reserves every free slot a pool has or can still grow, and `evict`
     more: that many least-recently-used chunks leave the arena. Returns its slots (the
@@ -103,23 +73,3 @@ def crowd_out(pool, evict: int, holder: str = "another-engine") -> list[int]:
     on_their_way = pool.stats()["awaiting_reuse"] - stats["awaiting_reuse"]
     assert len(taken) + on_their_way == wanted, f"reserved {len(taken)} of {wanted} slots: too many pinned"
     return taken
-
-
-def flip_disk_payload_bytes(directory: str | Path, stride: int, at: int = 7, key: bytes | None = None) -> int:
-    """Flip one payload byte (`at` bytes into it) of every record a disk tier's directory holds,
-    or only of the record whose header names `key`. Returns how many records were hit."""
-    flipped = 0
-    for payloads in Path(directory).glob(f"*{PAYLOADS_SUFFIX}"):
-        headers = payloads.with_suffix(HEADERS_SUFFIX).read_bytes()
-        if key is None:
-            records = range(len(headers) // HEADER_BYTES)
-        else:
-            records = [headers.index(key) // HEADER_BYTES] if key in headers else []
-        with open(payloads, "r+b") as f:
-            for record in records:
-                f.seek(record * stride + at)
-                byte = f.read(1)
-                f.seek(record * stride + at)
-                f.write(bytes([byte[0] ^ 0x5A]))
-        flipped += len(records)
-    return flipped
