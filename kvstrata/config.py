@@ -253,6 +253,12 @@ class EngineConfig(_Strict):
         description="threads a CPU engine's worker copies one large transfer with (CUDA copies run on "
         "their own streams and ignore this)",
     )
+    gpu_copy: Literal["auto", "dma", "kernel"] = Field(
+        default="auto",
+        description="how a CUDA worker moves pages: dma (one batched driver copy per transfer), kernel "
+        "(a Triton copy kernel, loads only; stores always use DMA) or auto (kernel for loads whose pages "
+        "are all under 28 KiB, multiples of 8 bytes, into pinned memory, 16 or more of them; DMA otherwise)",
+    )
     recompute_tokens_per_second: float | None = Field(
         default=None,
         gt=0,
