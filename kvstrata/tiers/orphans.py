@@ -57,10 +57,11 @@ def hold_new_file(path: str | os.PathLike[str], mode: int = 0o600) -> int:
     """Create `path` (it must not exist) and return a descriptor holding its exclusive lock.
 
     The lock lives as long as the descriptor: close it only after unlinking the file (or
-    let the process die). Raises FileExistsError as `os.open(O_EXCL)` does.
+    let the process die). Raises FileExistsError as `os.open(O_EXCL)` does, also for a
+    symlink planted at `path` (dangling or not): it is never followed.
     """
     for _ in range(CREATE_ATTEMPTS):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             # Blocking: a reclaimer holds it only for the instant it takes to unlink.
             fcntl.flock(fd, fcntl.LOCK_EX)

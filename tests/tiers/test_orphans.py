@@ -224,3 +224,17 @@ def test_a_dead_stores_disk_directory_is_taken_over_and_a_live_ones_refused(tmp_
     finally:
         live.stdin.close()
         live.wait(timeout=30)
+
+
+def test_a_symlink_planted_where_a_locked_file_goes_is_never_followed(tmp_path):
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep")
+    planted = tmp_path / "kvstrata-planted"
+    planted.symlink_to(target)
+    with pytest.raises(FileExistsError):
+        orphans.hold_new_file(planted)
+    dangling = tmp_path / "kvstrata-dangling"
+    dangling.symlink_to(tmp_path / "not-there")
+    with pytest.raises(FileExistsError):
+        orphans.hold_new_file(dangling)
+    assert target.read_bytes() == b"keep" and not (tmp_path / "not-there").exists()
