@@ -165,7 +165,13 @@ def test_template_variables(dashboard):
         ("Promotions by source tier", {"ray_kvstrata_promotions_total"}),
         (
             "Dropped, failed and corrupt chunks per tier",
-            {"ray_kvstrata_tier_dropped_total", "ray_kvstrata_tier_failed_total", "ray_kvstrata_tier_corrupt_total"},
+            {
+                "ray_kvstrata_tier_dropped_total",
+                "ray_kvstrata_tier_failed_total",
+                "ray_kvstrata_tier_corrupt_total",
+                "ray_kvstrata_tier_set_aside_files_total",  # damaged disk files, issue #29
+                "ray_kvstrata_purges_refused_total",
+            },
         ),
     ],
 )

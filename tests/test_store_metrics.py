@@ -13,10 +13,11 @@ def report_stats(namespaces: int = 2) -> dict:
     return {
         "report": {
             "node_id": "n1",
-            "tiers": {"cpu": dict(on), "disk": dict(on, hits=5), "object": {"state": "paused", "reason": "503"},
+            "tiers": {"cpu": dict(on), "disk": dict(on, hits=5, set_aside=4), "object": {"state": "paused", "reason": "503"},
                       "peer": {"state": "off"}},  # fmt: skip
             "namespaces": {f"ns{i}": {"models": ["m"], "chunks": {"cpu": i + 1, "disk": 1, "object": 0}} for i in range(namespaces)},
             "engines": {"e1": {"lease_seconds_left": 3.0, "pinned": 2, "reserved": 1}, "e2": {"lease_seconds_left": 1.0, "pinned": 3, "reserved": 0}},
+            "purges_refused": 6,
         },
         "object": {"puts": 5, "put_failures": 1, "gets": 4, "get_failures": 2, "not_found": 0, "corrupt_chunks": 0,
                    "skipped_while_paused": 6, "backoffs": 3, "throttled": 2},  # fmt: skip
@@ -43,6 +44,8 @@ def test_samples_carry_the_report_figures():
     assert samples[("kvstrata_tier_up", (("node", "n1"), ("tier", "cpu")))] == 1
     assert samples[("kvstrata_store_pinned_chunks", (("node", "n1"),))] == 5
     assert samples[("kvstrata_leases_held", (("node", "n1"),))] == 2
+    assert samples[("kvstrata_tier_set_aside_files", (("node", "n1"), ("tier", "disk")))] == 4
+    assert samples[("kvstrata_purges_refused", (("node", "n1"),))] == 6
     assert samples[("kvstrata_object_throttles", (("node", "n1"),))] == 2
     assert samples[("kvstrata_object_requests", (("node", "n1"), ("op", "put"), ("outcome", "failed")))] == 1
     assert not any(dict(labels).get("tier") == "peer" for name, labels in samples)  # an off tier exports nothing

@@ -72,7 +72,15 @@ METRICS: dict[str, MetricSpec] = {
     "kvstrata_tier_evicted": MetricSpec("counter", "Chunks evicted (or expired) from the tier.", _NODE_TIER),
     "kvstrata_tier_dropped": MetricSpec("counter", "Copies given up so engines never wait (full queues, paused tier).", _NODE_TIER),
     "kvstrata_tier_failed": MetricSpec("counter", "I/O errors of the tier.", _NODE_TIER),
-    "kvstrata_tier_corrupt": MetricSpec("counter", "Chunks that failed their checksum in the tier.", _NODE_TIER),
+    "kvstrata_tier_corrupt": MetricSpec(
+        "counter", "Chunks that failed their checksum in the tier (disk: also headers unreadable at start-up).", _NODE_TIER
+    ),
+    "kvstrata_tier_set_aside_files": MetricSpec(
+        "counter", "Files the disk tier found unusable at start-up and moved to its damaged/ directory.", _NODE_TIER
+    ),
+    "kvstrata_purges_refused": MetricSpec(
+        "counter", "Purges refused: the engine named a namespace it did not register with this store.", ("node",)
+    ),
     "kvstrata_promotions": MetricSpec("counter", "Chunks promoted into the arena, by source tier.", ("node", "source")),
     "kvstrata_object_requests": MetricSpec(
         "counter", "Object-store chunk requests by operation and outcome.", ("node", "op", "outcome")
@@ -111,6 +119,7 @@ _PER_TIER = {
     "dropped": "kvstrata_tier_dropped",
     "failed": "kvstrata_tier_failed",
     "corrupt": "kvstrata_tier_corrupt",
+    "set_aside": "kvstrata_tier_set_aside_files",
 }
 
 
@@ -133,6 +142,7 @@ def metric_samples(stats: dict[str, Any]) -> list[Sample]:
     samples.extend(_admission_samples(node, report.get("admission")))
     engines = report["engines"].values()
     samples.append(("kvstrata_leases_held", {"node": node}, float(len(report["engines"]))))
+    samples.append(("kvstrata_purges_refused", {"node": node}, float(report.get("purges_refused", 0))))
     samples.append(("kvstrata_store_pinned_chunks", {"node": node}, float(sum(engine["pinned"] for engine in engines))))
     samples.extend(_object_samples(node, stats.get("object")))
     peers = stats.get("peers")

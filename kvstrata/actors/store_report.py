@@ -86,6 +86,7 @@ def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[s
         "engines": _engines(store),
         "tenants": _tenants(store, disk_stats),
         "admission": _admission(store),
+        "purges_refused": store.counters.get("purges_refused", 0),  # another engine's namespace named
         # What this store found of stores that died without cleaning up (kvstrata.tiers.orphans).
         "reclaimed": {
             "shm_files": len(store.arena.reclaimed.files),
@@ -132,7 +133,9 @@ def _disk_report(store: StoreState, stats: dict[str, Any] | None) -> TierReport:
         "evicted": stats["evicted"],
         "dropped": counters["disk_writes_dropped"] + stats["dropped_not_admitting"],
         "failed": stats["write_errors"] + stats["read_errors"],
-        "corrupt": stats["corrupt_chunks"],
+        # Records whose checksum failed on read, and headers found unreadable at start-up.
+        "corrupt": stats["corrupt_chunks"] + stats.get("damaged_records", 0),
+        "set_aside": stats.get("damaged_files", 0),  # files moved to damaged/ at start-up
     }
 
 

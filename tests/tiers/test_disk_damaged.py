@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import defaultdict
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from kvstrata.actors.node_store import NodeStore
+from kvstrata.actors.store_report import _disk_report
 from kvstrata.config import load_config
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier
 from kvstrata.tiers.disk.damaged import DAMAGED_DIR
@@ -50,6 +53,9 @@ def test_a_damaged_directory_is_set_aside_and_the_rest_served(tmp_path, caplog):
     try:
         stats = tier.stats()
         assert stats["damaged_files"] == 5 and stats["damaged_records"] == 1
+        # What `kvstrata status --json` and the metrics show of it (store_report.py).
+        report = _disk_report(SimpleNamespace(counters=defaultdict(int), disk_error=None), stats)
+        assert report["set_aside"] == 5 and report["corrupt"] >= 1
         assert sorted(os.listdir(root / DAMAGED_DIR)) == sorted(
             ["ns-4096.payloads", "zero-0.payloads", "a b-8192.payloads", "dir-8192.payloads", "link-8192.payloads"]
         )
