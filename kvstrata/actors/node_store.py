@@ -164,6 +164,8 @@ class NodeStore(StoreControl):
             self.disk_error = str(exc) if isinstance(exc, DiskTierError) else f"{type(exc).__name__}: {exc}"
             logger.error("kvstrata node store: disk tier disabled: %s", exc)
             return
+        if self._reuse is not None:  # admission.store: reuse keeps a sketch: evict one-offs first
+            self.disk.reuse_of = self._reuse.estimate
         for namespace in self.disk.namespaces():
             self._log(namespace).record_many(self.disk.keys(namespace), STORAGE, True)
         self._io = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="kvstrata-disk")

@@ -124,6 +124,17 @@ class ReuseCounter:
         sketch.add_many(hashed)
         return (sketch.counts(hashed) >= self.min_uses).tolist()
 
+    def estimate(self, namespace: str, keys: Sequence[bytes]) -> list[int]:
+        """Each key's estimated uses lately (counts nothing; 0 in a namespace never seen).
+
+        Read by the disk tier's eviction from its own threads: a count read while the
+        store adds to the sketch is at worst one use stale, which only reorders ties.
+        """
+        sketch = self._sketches.get(namespace)
+        if sketch is None or not keys:
+            return [0] * len(keys)
+        return sketch.counts(keys_to_u64(keys)).tolist()
+
     def reused(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key has been used `min_uses` times lately (counts nothing)."""
         sketch = self._sketches.get(namespace)

@@ -72,10 +72,14 @@ def test_write_through_writes_only_what_is_used_again(env, disk_admission):
     if disk_admission == "always":
         assert on_disk == {key(1), key(2)}
         assert store.counters["disk_writes_skipped_reuse"] == 0
+        assert store.disk.reuse_of is None  # no sketch kept: the disk tier evicts by age alone
         return
     # The chunk used again was written on its second use; the one-off never was.
     assert on_disk == {key(1)}
     assert store.counters["disk_writes_skipped_reuse"] == 2  # both skipped at commit
+    # The disk tier's evictions weigh the same counts: the one-off would go first.
+    uses = store.disk.reuse_of(writer.namespace, [key(1), key(2)])
+    assert uses[0] > uses[1] >= 1
     stats = store.stats()
     assert stats["report"]["admission"]["disk_writes_skipped_reuse"] == 2
     console = Console(width=200, record=True, file=io.StringIO())

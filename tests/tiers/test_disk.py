@@ -680,3 +680,45 @@ def test_records_past_the_end_of_a_cut_short_header_file_are_empty_and_reused(tm
     assert all(again.write_many(NS, [(key(i), chunk(i)) for i in range(10, 12)]))
     for i in (0, 1, 10, 11):
         assert again.read_into(NS, key(i), out) and np.array_equal(out, chunk(i)), i
+
+
+@pytest.mark.parametrize("with_reuse", [False, True], ids=["lru", "reuse"])
+def test_with_reuse_estimates_eviction_takes_the_one_offs_among_the_oldest_first(tmp_path, tiers, with_reuse):
+    """admission.store: reuse (issue #28): the oldest records are weighed by their estimated
+    reuse, so reused prefixes outlive one-offs written after them; without it, pure LRU."""
+    record = HEADER_BYTES + CHUNK
+    removed = []
+    tier = open_tier(tiers, tmp_path, capacity=6 * record, on_change=lambda ns, keys, present: present or removed.extend(keys))
+    reused = {key(0), key(1), key(2)}  # the oldest three, but used again and again
+    asked = []
+
+    def reuse_of(namespace, keys):
+        asked.append((namespace, list(keys)))
+        return [5 if k in reused else 1 for k in keys]
+
+    if with_reuse:
+        tier.reuse_of = reuse_of
+    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(6)]) == [True] * 6
+    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(10, 13)]) == [True] * 3
+    if with_reuse:
+        assert sorted(removed) == sorted([key(3), key(4), key(5)])
+        assert asked and all(namespace == NS for namespace, _ in asked)
+    else:
+        assert removed == [key(0), key(1), key(2)]
+    assert tier.stats()["evicted"] == 3
+    out = np.zeros(CHUNK, dtype=np.uint8)
+    for i in ([0, 1, 2] if with_reuse else [3, 4, 5]) + [10, 11, 12]:
+        assert tier.read_into(NS, key(i), out) and np.array_equal(out, chunk(i)), i
+
+
+def test_reuse_eviction_keeps_age_beyond_its_window(tmp_path, tiers):
+    """A reused record younger than the window's oldest records is not protected at their
+    expense forever: the window is the oldest REUSE_EVICTION_WINDOW, so age still rules."""
+    record = HEADER_BYTES + CHUNK
+    window = disk_index.REUSE_EVICTION_WINDOW
+    removed = []
+    tier = open_tier(tiers, tmp_path, capacity=2 * window * record, on_change=lambda ns, keys, present: present or removed.extend(keys))
+    tier.reuse_of = lambda namespace, keys: [1 if k == key(window) else 9 for k in keys]  # a one-off outside the first window
+    assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(2 * window)]) == [True] * (2 * window)
+    assert tier.write_many(NS, [(key(100), chunk(100))]) == [True]
+    assert removed == [key(0)]  # the oldest window is all reused alike: the oldest of it goes

@@ -67,3 +67,12 @@ def test_a_trace_of_seventy_percent_one_offs_writes_the_reused_and_few_others() 
     # ... and almost no one-off: `always` would write every chunk seen.
     assert len(written & one_off_chunks) < 0.01 * len(one_off_chunks)
     assert len(written) < 0.5 * len(seen)
+
+
+def test_estimate_reads_counts_without_adding_and_knows_no_unseen_namespace() -> None:
+    counter = ReuseCounter(window=4096, min_uses=2)
+    reused, once = make_key(1, 0), make_key(2, 0)
+    counter.note("ns", [reused, reused, reused, once])
+    assert counter.estimate("ns", [reused, once]) == [3, 1]
+    assert counter.estimate("ns", [reused, once]) == [3, 1]  # reading counted nothing
+    assert counter.estimate("other", [reused]) == [0] and counter.estimate("ns", []) == []

@@ -8,8 +8,9 @@ changes (`on_change`); rebuilding all of it from the header files at start-up.
 Invariants:
 - `_lock` guards everything here. The methods that do not take it themselves are called
   with it held (or from `__init__`, before any other thread knows the tier).
-- Allocated records (payload and header) never exceed `capacity` bytes; LRU records make
-  room. Records with an I/O in flight are never evicted or reused.
+- Allocated records (payload and header) never exceed `capacity` bytes; evicted records make
+  room (oldest first; with `reuse_of` set, the least reused of the oldest few first).
+  Records with an I/O in flight are never evicted or reused.
 - A tenant's slabs never grow past its quota (`kvstrata.tiers.quotas`): at it a slab
   evicts its own records, never another tenant's.
 - Every index change is announced while the lock is held, in the order of the changes.
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,9 @@ logger = logging.getLogger(__package__)  # the tier logs under one name, "kvstra
 RECOVERY_READ_BYTES = 4 << 20  # headers read per call at start-up
 # A slab's file grows by a quarter of its size, within these bounds (and the capacity).
 GROW_MIN_BYTES = 1 << 30
+# Oldest records weighed against each other by reuse when evicting (reuse_of set): wide
+# enough that a one-off among them goes first, narrow enough that age still rules.
+REUSE_EVICTION_WINDOW = 8
 GROW_MAX_BYTES = 8 << 30
 
 
@@ -78,6 +83,9 @@ class SlabIndex:
         self.direct_io = direct_io
         self.eviction_policy = eviction_policy
         self.on_change = on_change
+        # (namespace, keys) -> each key's estimated recent uses; set by the node store when
+        # it keeps a reuse sketch (admission.store: reuse), so evictions prefer one-offs.
+        self.reuse_of: Callable[[str, list[bytes]], Sequence[int]] | None = None
         self._lock = threading.Lock()
         self._slabs: dict[str, _Slab] = {}
         self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
@@ -224,9 +232,7 @@ class SlabIndex:
             slab.num_records = end
         if len(records) == count:
             return records
-        for record in slab.policy.candidates():
-            if record in slab.busy:
-                continue
+        for record in self._eviction_order(slab):
             key = slab.key_of[record]
             self._drop(slab, key, record, free=False)
             evicted.append(key)
@@ -244,6 +250,24 @@ class SlabIndex:
             if len(records) == count:
                 break
         return records
+
+    def _eviction_order(self, slab: _Slab) -> Iterator[int]:
+        """Records to evict, first = first: the policy's order, or with `reuse_of` set, each
+        window of `REUSE_EVICTION_WINDOW` oldest candidates least-reused first (ties: oldest
+        first). Busy records are skipped; a record dropped meanwhile (a dependent of one
+        evicted before it) is not yielded. The caller may drop what it was given."""
+        candidates = (record for record in slab.policy.candidates() if record not in slab.busy)
+        if self.reuse_of is None:
+            yield from candidates
+            return
+        while window := list(islice(candidates, REUSE_EVICTION_WINDOW)):
+            keys = [slab.key_of[record] for record in window]
+            uses = self.reuse_of(slab.namespace, keys)
+            for _, _, record, key in sorted(zip(uses, range(len(window)), window, keys)):
+                if slab.key_of.get(record) == key and record not in slab.busy:
+                    yield record
+            if len(window) < REUSE_EVICTION_WINDOW:
+                return
 
     def _drop(self, slab: _Slab, key: bytes, record: int, free: bool = True) -> None:
         del slab.index[key]
