@@ -128,10 +128,28 @@ def check_plan(plan: CopyPlan, pages: PageSpace, slots: SlotSpace) -> None:
 
     Every row is checked before any address is handed out: executors trust their rows.
     """
-    tensor, block, segment = plan.tensor_idx, plan.block_id, plan.segment
-    offset, nbytes = plan.offset, plan.num_bytes
     if len({len(column) for column in plan}) != 1:
         raise ValueError(f"copy plan columns differ in length: {[len(c) for c in plan]}")
+    if not len(plan.num_bytes) or _all_inside(plan, pages, slots):
+        return
+    _raise_first_bad_row(plan, pages, slots)
+
+
+def _all_inside(plan: CopyPlan, pages: PageSpace, slots: SlotSpace) -> bool:
+    """One pass over the rows for the common case, where every row is fine."""
+    tensor, segment = plan.tensor_idx, plan.segment
+    if tensor.min() < 0 or tensor.max() >= len(pages.base) or segment.min() < 0 or segment.max() >= len(slots.mapped):
+        return False
+    block, offset, nbytes = plan.block_id, plan.offset, plan.num_bytes
+    bad = (block < 0) | (block >= pages.num_blocks[tensor]) | (nbytes < 0) | (nbytes > pages.row_bytes[tensor])
+    bad |= ~slots.mapped[segment] | (offset < 0) | (offset + nbytes > slots.size[segment])
+    return not bad.any()
+
+
+def _raise_first_bad_row(plan: CopyPlan, pages: PageSpace, slots: SlotSpace) -> None:
+    """The error for the first row of the first kind of fault, in a fixed order of kinds."""
+    tensor, block, segment = plan.tensor_idx, plan.block_id, plan.segment
+    offset, nbytes = plan.offset, plan.num_bytes
     i = _first((tensor < 0) | (tensor >= len(pages.base)))
     if i is not None:
         raise ValueError(f"tensor {int(tensor[i])} does not exist; there are {len(pages.base)} ({_row(plan, i)})")
@@ -162,6 +180,7 @@ def check_plan(plan: CopyPlan, pages: PageSpace, slots: SlotSpace) -> None:
             f"a copy of {int(nbytes[i])} bytes at offset {int(offset[i])} lies outside arena segment "
             f"{int(segment[i])} ({int(slots.size[segment[i]])} bytes) ({_row(plan, i)})"
         )
+    raise AssertionError(f"a copy plan failed the bounds check but no row is at fault: {plan}")
 
 
 def merge_runs(desc: Descriptors, buffer_key: np.ndarray | None = None) -> Descriptors:
