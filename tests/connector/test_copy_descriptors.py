@@ -73,7 +73,7 @@ def test_merge_runs_joins_exactly_the_rows_that_continue_on_both_sides():
 class Buffers:
     """A KV cache of one or more numpy tensors and a few 'segments', addressed by integers."""
 
-    def __init__(self, pages, num_blocks, segment_bytes, num_segments, row_pad=0, seed=0):
+    def __init__(self, pages, num_blocks, segment_bytes, num_segments, row_pad=0, seed=0, unmapped=()):
         rng = np.random.default_rng(seed)
         self.tensors = [rng.integers(0, 256, (num_blocks, p + row_pad), dtype=np.uint8) for p in pages]
         self.segments = [rng.integers(0, 256, segment_bytes, dtype=np.uint8) for _ in range(num_segments)]
@@ -83,7 +83,7 @@ class Buffers:
             pages,
             [num_blocks] * len(pages),
         )
-        self.slots = SlotSpace.of({i: (s.ctypes.data, s.nbytes) for i, s in enumerate(self.segments)})
+        self.slots = SlotSpace.of({i: (s.ctypes.data, s.nbytes) for i, s in enumerate(self.segments) if i not in unmapped})
 
     def snapshot(self):
         return [a.copy() for a in self.tensors + self.segments]
@@ -152,7 +152,8 @@ BAD_ROWS = [
     ((1, -1, 0, 256, 64), "block -1 of tensor 1 is outside its 8 blocks"),
     ((0, 3, 1, 1000, 64), r"a copy of 64 bytes at offset 1000 lies outside arena segment 1 \(1024 bytes\)"),
     ((0, 3, 1, -8, 64), r"a copy of 64 bytes at offset -8 lies outside arena segment 1 \(1024 bytes\)"),
-    ((0, 3, 2, 0, 64), "arena segment 2 is not mapped"),
+    ((0, 3, 2, 0, 64), "arena segment 2 is not mapped"),  # a hole between mapped segments
+    ((0, 3, 4, 0, 64), "arena segment 4 is not mapped"),  # past the last
     ((0, 3, -1, 0, 64), "arena segment -1 is not mapped"),
     ((2, 3, 0, 0, 64), "tensor 2 does not exist; there are 2"),
     ((0, 3, 0, 0, -1), "a copy of a negative byte count"),
@@ -163,7 +164,7 @@ BAD_ROWS = [
 @pytest.mark.parametrize("native", [NATIVE, False], ids=["native", "memmove"])
 @pytest.mark.parametrize("bad,message", BAD_ROWS, ids=[m.split(" (")[0][:40] for _, m in BAD_ROWS])
 def test_a_bad_row_is_named_and_nothing_is_copied(bad, message, direction, native):
-    buf = Buffers(pages=[64, 64], num_blocks=8, segment_bytes=1024, num_segments=2)
+    buf = Buffers(pages=[64, 64], num_blocks=8, segment_bytes=1024, num_segments=4, unmapped={2})
     before = buf.snapshot()
     executor = HostRowExecutor(copy_threads=2, native=native, parallel_min_bytes=1)
     tensor, block, segment, offset, nbytes = bad
