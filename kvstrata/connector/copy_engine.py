@@ -31,12 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstrata.tiers.arena import PoolGeometry
-from kvstrata.tiers.shm import SharedMemoryFile
-
 from kvstrata.connector.copy import Completed
 from kvstrata.connector.copy.descriptors import CopyPlan, Descriptors, PageSpace, SlotSpace, build_descriptors
 from kvstrata.connector.copy.host import PARALLEL_MIN_BYTES, HostRowExecutor, native_copy_rows
+from kvstrata.tiers.arena import PoolGeometry
+from kvstrata.tiers.shm import SharedMemoryFile
 
 __all__ = ["PARALLEL_MIN_BYTES", "Completed", "CopyEngine", "CopyPlan", "GroupRef", "SlotLayout", "native_copy_rows"]
 
