@@ -10,12 +10,13 @@ Each (group, layer ref) copies `ref_bytes` (the un-padded page) of a block, as v
 own CPU worker does, so groups that share a tensor never overwrite each other: they
 have different keys and therefore different slots.
 
-On CPU tensors the copies are plain memory copies done at submit time (the CPU is
-the compute device; there is nothing to overlap with). With the optional native module
-(`_rowcopy`, built at install) one call copies every page of a transfer without the
-GIL; without it, one numpy copy per page (measured at 32 KiB pages: 0.6x of memcpy
-through numpy, 1.0x natively; benchmarks/arena_copy.py). A large transfer is split
-over `copy_threads` threads either way. On CUDA tensors each segment
+Every transfer becomes a `CopyPlan` (one row per page) and then, through
+`copy.descriptors.build_descriptors`, three int64 address arrays checked against the
+KV cache rows and arena segments before anything moves; contiguous rows are merged.
+On CPU tensors `copy.host.HostRowExecutor` copies them at submit time (the CPU is the
+compute device; there is nothing to overlap with): natively (`_rowcopy`, one call for
+the whole transfer, without the GIL) or one `ctypes.memmove` per row, split over
+`copy_threads` threads when large. On CUDA tensors each segment
 is registered with cudaHostRegister and copies run on a dedicated stream per
 direction; completion is an event, and `wait` returns only when the GPU blocks are
 reusable.
@@ -24,29 +25,21 @@ reusable.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from kvstrata.connector.copy import Completed
+from kvstrata.connector.copy.descriptors import CopyPlan, Descriptors, PageSpace, SlotSpace, build_descriptors
+from kvstrata.connector.copy.host import PARALLEL_MIN_BYTES, HostRowExecutor, native_copy_rows
 from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.shm import SharedMemoryFile
 
-try:
-    from kvstrata.connector._rowcopy import copy_rows as native_copy_rows
-except ImportError:  # built at install where a C compiler exists; numpy copies otherwise
-    native_copy_rows = None
+__all__ = ["PARALLEL_MIN_BYTES", "Completed", "CopyEngine", "CopyPlan", "GroupRef", "SlotLayout", "native_copy_rows"]
 
 logger = logging.getLogger(__name__)
-
-# A transfer smaller than this is copied on the calling thread: handing work to another
-# thread costs tens of microseconds, a 2 MiB copy about a hundred.
-PARALLEL_MIN_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -55,14 +48,6 @@ class GroupRef:
 
     tensor_idx: int
     ref_bytes: int
-
-
-@dataclass
-class Completed:
-    job_id: int
-    success: bool
-    num_bytes: int
-    seconds: float
 
 
 class SlotLayout:
@@ -128,16 +113,6 @@ def _host_unregister(tensor: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
-class CopyPlan(NamedTuple):
-    """One row per page copy: tensor, block, arena segment, byte offset, length."""
-
-    tensor_idx: np.ndarray
-    block_id: np.ndarray
-    segment: np.ndarray
-    offset: np.ndarray
-    num_bytes: np.ndarray
-
-
 def _rows(plan: CopyPlan):
     """(tensor, block, segment, offset, bytes) per page copy, as Python ints."""
     return zip(plan.tensor_idx.tolist(), plan.block_id.tolist(), plan.segment.tolist(), plan.offset.tolist(), plan.num_bytes.tolist())
@@ -155,7 +130,9 @@ class CopyEngine:
         rank_stride: int,
         copy_threads: int = 1,
         native: bool | None = None,
+        merge: bool = True,
     ):
+        """`merge=False` keeps one copy per page (tests compare both); merging is always safe."""
         if not tensors:
             raise ValueError("no KV cache tensors to copy")
         if copy_threads < 1:
@@ -177,18 +154,25 @@ class CopyEngine:
         self.arena = ArenaMap(pin_for_cuda=self.is_cuda)
         self._completed: list[Completed] = []
         self.copy_threads = copy_threads
-        self._helpers: ThreadPoolExecutor | None = None
+        self.merge = merge
+        # Integers only: the same builder serves host and device pointers.
+        self.pages = PageSpace.of(
+            [t.data_ptr() for t in self.tensors],
+            [t.stride(0) for t in self.tensors],
+            self.layout.page_bytes,
+            [t.shape[0] for t in self.tensors],
+        )
+        if native and native_copy_rows is None:
+            raise RuntimeError("kvstrata's native copy module (_rowcopy) was not built; reinstall with a C compiler")
+        self._host: HostRowExecutor | None = None
         if self.is_cuda:
             self._streams = {"store": torch.cuda.Stream(), "load": torch.cuda.Stream()}
             self._pending: dict[int, tuple[torch.cuda.Event, torch.cuda.Event, int]] = {}
+            self.native = False
         else:
-            self._numpy_tensors = [t.numpy() for t in self.tensors]
-            self._tensor_base = np.array([t.data_ptr() for t in self.tensors], dtype=np.int64)
-            self._row_stride = np.array([t.stride(0) for t in self.tensors], dtype=np.int64)
-            self._row_bytes = np.array(self.layout.page_bytes, dtype=np.int64)
-        if native and native_copy_rows is None:
-            raise RuntimeError("kvstrata's native copy module (_rowcopy) was not built; reinstall with a C compiler")
-        self.native = not self.is_cuda and native_copy_rows is not None and native is not False
+            # Read the threshold now (not at import) so tests can lower it.
+            self._host = HostRowExecutor(copy_threads, native, parallel_min_bytes=PARALLEL_MIN_BYTES)
+            self.native = self._host.native
 
     # --- planning ----------------------------------------------------------------
 
@@ -254,89 +238,24 @@ class CopyEngine:
         self._run(job_id, "load", self.plan(geometry, block_ids, group_sizes, block_indices, slots), geometry)
 
     def _run(self, job_id: int, direction: str, plan: CopyPlan, geometry: PoolGeometry) -> None:
+        segments = {int(seg): self.arena.tensor(geometry, int(seg)) for seg in np.unique(plan.segment)}
+        if self._host is not None:
+            self._host.submit(job_id, direction, self.descriptors(direction, plan, segments))
+            return
         num_bytes = int(plan.num_bytes.sum())
         if not num_bytes:
             self._completed.append(Completed(job_id, True, 0, 0.0))
             return
-        segments = {int(seg): self.arena.tensor(geometry, int(seg)) for seg in np.unique(plan.segment)}
-        if self.is_cuda:
-            self._run_cuda(job_id, direction, _rows(plan), segments, num_bytes)
-            return
-        start = time.perf_counter()
-        parts = self.copy_threads if num_bytes >= PARALLEL_MIN_BYTES else 1
-        if self.native:
-            work = self._addresses(direction, plan, segments)
-            copy = native_copy_rows
-        else:
-            arrays = {seg: tensor.numpy() for seg, tensor in segments.items()}
-            work = (list(_rows(plan)),)
-            copy = lambda rows: self._copy_rows(direction, rows, arrays)  # noqa: E731
-        num_rows = len(work[0])
-        parts = min(parts, num_rows)
-        if parts > 1:
-            # Contiguous runs of rows: each thread walks its own stretch of each tensor.
-            bounds = np.linspace(0, num_rows, parts + 1).astype(int).tolist()
-            if self._helpers is None:
-                self._helpers = ThreadPoolExecutor(self.copy_threads - 1, thread_name_prefix="kvstrata-copy")
-            helped = [
-                self._helpers.submit(copy, *(column[lo:hi] for column in work))
-                for lo, hi in zip(bounds[1:-1], bounds[2:])
-            ]
-            try:
-                copy(*(column[: bounds[1]] for column in work))
-            finally:
-                wait_all(helped)  # never return while a helper still writes
-            for future in helped:
-                future.result()
-        else:
-            copy(*work)
-        self._completed.append(Completed(job_id, True, num_bytes, time.perf_counter() - start))
+        self._run_cuda(job_id, direction, _rows(plan), segments, num_bytes)
 
-    def _addresses(
-        self, direction: str, plan: CopyPlan, segments: dict[int, torch.Tensor]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(dst, src, sizes) for the native copy, every row checked to lie inside its buffers.
+    def descriptors(self, direction: str, plan: CopyPlan, segments: dict[int, torch.Tensor]) -> Descriptors:
+        """The plan's (dst, src, sizes), every row checked to lie inside its page and segment.
 
-        The native loop trusts its addresses, so a row that would reach past a KV cache
-        row or an arena segment is refused here, before anything is copied.
+        Executors trust their addresses, so a row that would reach past a KV cache row or
+        an arena segment is refused here (ValueError naming the row), before any copy.
         """
-        rows = plan.tensor_idx
-        page_addr = self._tensor_base[rows] + plan.block_id * self._row_stride[rows]
-        too_long = np.flatnonzero(plan.num_bytes > self._row_bytes[rows])
-        if too_long.size:
-            i = too_long[0]
-            raise ValueError(
-                f"a copy of {plan.num_bytes[i]} bytes from block {plan.block_id[i]} of tensor {rows[i]} "
-                f"is longer than its {self._row_bytes[rows[i]]}-byte page"
-            )
-        seg_ids = np.fromiter(segments, dtype=np.int64, count=len(segments))
-        seg_base = np.zeros(int(seg_ids.max()) + 1, dtype=np.int64)
-        seg_size = np.zeros_like(seg_base)
-        for seg, tensor in segments.items():
-            seg_base[seg] = tensor.data_ptr()
-            seg_size[seg] = tensor.numel()
-        outside = np.flatnonzero((plan.offset < 0) | (plan.offset + plan.num_bytes > seg_size[plan.segment]))
-        if outside.size:
-            i = outside[0]
-            raise ValueError(
-                f"a copy of {plan.num_bytes[i]} bytes at offset {plan.offset[i]} lies outside arena segment "
-                f"{plan.segment[i]} ({seg_size[plan.segment[i]]} bytes)"
-            )
-        slot_addr = seg_base[plan.segment] + plan.offset
-        sizes = np.ascontiguousarray(plan.num_bytes, dtype=np.int64)
-        if direction == "store":
-            return np.ascontiguousarray(slot_addr), np.ascontiguousarray(page_addr), sizes
-        return np.ascontiguousarray(page_addr), np.ascontiguousarray(slot_addr), sizes
-
-    def _copy_rows(self, direction: str, rows: list[tuple[int, int, int, int, int]], arrays: dict[int, np.ndarray]) -> None:
-        """The numpy fallback: one copy per page."""
-        pages = self._numpy_tensors
-        if direction == "store":
-            for t, block, seg, off, n in rows:
-                arrays[seg][off : off + n] = pages[t][block, :n]
-        else:
-            for t, block, seg, off, n in rows:
-                pages[t][block, :n] = arrays[seg][off : off + n]
+        slot_space = SlotSpace.of({seg: (t.data_ptr(), t.numel()) for seg, t in segments.items()})
+        return build_descriptors(direction, plan, self.pages, slot_space, merge=self.merge)
 
     def _run_cuda(self, job_id: int, direction: str, rows, segments: dict[int, torch.Tensor], num_bytes: int) -> None:
         stream = self._streams[direction]
@@ -359,17 +278,19 @@ class CopyEngine:
         self._pending[job_id] = (start, end, num_bytes)
 
     def finished(self) -> list[Completed]:
-        if self.is_cuda:
-            for job_id, (start, end, num_bytes) in list(self._pending.items()):
-                if end.query():
-                    del self._pending[job_id]
-                    self._completed.append(Completed(job_id, True, num_bytes, start.elapsed_time(end) / 1000))
+        if self._host is not None:
+            return self._host.finished()
+        for job_id, (start, end, num_bytes) in list(self._pending.items()):
+            if end.query():
+                del self._pending[job_id]
+                self._completed.append(Completed(job_id, True, num_bytes, start.elapsed_time(end) / 1000))
         done, self._completed = self._completed, []
         return done
 
     def wait(self, job_ids: set[int]) -> None:
         """Return once the named transfers no longer touch their GPU blocks."""
-        if not self.is_cuda:
+        if self._host is not None:
+            self._host.wait(job_ids)
             return
         for job_id in job_ids:
             pending = self._pending.get(job_id)
@@ -377,9 +298,8 @@ class CopyEngine:
                 pending[1].synchronize()
 
     def close(self) -> None:
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=True)
-            self._helpers = None
+        if self._host is not None:
+            self._host.close()
         if self.is_cuda:
             for stream in self._streams.values():
                 stream.synchronize()

@@ -198,7 +198,7 @@ def test_the_native_path_refuses_rows_outside_their_buffers_before_copying(pool)
     segments = {0: eng.arena.tensor(pool.geometry, 0)}
     past_segment = plan._replace(offset=plan.offset + pool.geometry.slots_per_segment * pool.geometry.slot_bytes)
     with pytest.raises(ValueError, match="lies outside arena segment 0"):
-        eng._addresses("store", past_segment, segments)
+        eng.descriptors("store", past_segment, segments)
     past_page = plan._replace(num_bytes=plan.num_bytes + 1)
     with pytest.raises(ValueError, match="from block 1 of tensor 0 is longer than its 256-byte page"):
-        eng._addresses("load", past_page, segments)
+        eng.descriptors("load", past_page, segments)
