@@ -515,3 +515,43 @@ def test_triton_kernel_copies_random_descriptors_byte_exact_under_the_interprete
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "EXACT" in out.stdout
+
+
+# --- the driver call's ABI, against a ctypes stand-in for cuMemcpyBatchAsync ----------------
+
+
+def test_batch_copy_calls_the_cuda_12_8_signature_with_one_attribute_per_direction():
+    from kvstrata.connector.copy import cuda_dma
+
+    calls = []
+
+    @cuda_dma._BATCH_FN
+    def fake_driver(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, fail_idx, stream):
+        attr = cuda_dma._CUmemcpyAttributes.from_address(attrs)
+        first = ctypes.c_size_t.from_address(attrs_idxs).value
+        calls.append((count, attr.srcAccessOrder, first, num_attrs, stream))
+        d = (ctypes.c_int64 * count).from_address(dsts)
+        s = (ctypes.c_int64 * count).from_address(srcs)
+        n = (ctypes.c_size_t * count).from_address(sizes)
+        if count == 3:  # refuse this batch, naming row 1
+            ctypes.c_size_t.from_address(fail_idx).value = 1
+            return 1
+        for i in range(count):
+            ctypes.memmove(d[i], s[i], n[i])
+        return 0
+
+    pointer = ctypes.cast(fake_driver, ctypes.c_void_p).value
+    copy = cuda_dma.batch_copy_from_pointer(pointer, lambda rc: "CUDA_ERROR_INVALID_VALUE")
+    src, dst = buffers()
+    desc = descriptors(dst, [0, 4 * KIB], src, [8 * KIB, 100], [KIB, 24])
+    copy(desc.dst, desc.src, desc.sizes, 0xBEEF, True)
+    np.testing.assert_array_equal(dst[:KIB], src[8 * KIB : 9 * KIB])
+    np.testing.assert_array_equal(dst[4 * KIB : 4 * KIB + 24], src[100:124])
+    copy(desc.dst, desc.src, desc.sizes, 0xBEEF, False)
+    assert calls == [(2, 3, 0, 1, 0xBEEF), (2, 1, 0, 1, 0xBEEF)]  # ANY=3 for loads, STREAM=1 for stores
+    bad = descriptors(dst, [0, 2 * KIB, 4 * KIB], src, [0, 2 * KIB, 4 * KIB], [8, 8, 8])
+    with pytest.raises(cuda_dma.CudaCopyError, match=r"3 rows failed at row 1: CUDA_ERROR_INVALID_VALUE \(1\)"):
+        copy(bad.dst, bad.src, bad.sizes, 0xBEEF, False)
+    with pytest.raises(cuda_dma.CudaCopyError, match="legacy default stream"):
+        copy(desc.dst, desc.src, desc.sizes, 0, False)
+    assert ctypes.sizeof(cuda_dma._CUmemcpyAttributes) == 24  # as in CUDA 12.8's cuda.h

@@ -124,7 +124,12 @@ class _Job:
 
 
 class JobLedger:
-    """Streams, events and in-flight jobs of one worker's CUDA copies (one thread)."""
+    """Streams, events and in-flight jobs of one worker's CUDA copies.
+
+    Thread-safe: a job's operations (wait on compute, start, copies, end) are queued
+    under one lock so two submitting threads cannot interleave them on a stream;
+    `wait` blocks outside the lock.
+    """
 
     def __init__(self, ops: StreamOps):
         self.ops = ops
@@ -132,6 +137,7 @@ class JobLedger:
         self._queues: dict[str, deque[_Job]] = {direction: deque() for direction in DIRECTIONS}
         self._jobs: dict[int, _Job] = {}
         self._closed = False
+        self._lock = threading.Lock()
 
     @property
     def in_flight(self) -> int:
@@ -156,10 +162,14 @@ class JobLedger:
         An exception from `enqueue` does not escape: it is logged and the job completes
         (after its end event, which also covers any rows that were queued) unsuccessful.
         """
-        if self._closed:
-            raise RuntimeError("this copy executor is closed")
         if direction not in self.streams:
             raise ValueError(f"direction must be store or load, not {direction!r}")
+        with self._lock:
+            self._run_locked(job_id, direction, num_bytes, enqueue, hold, release)
+
+    def _run_locked(self, job_id, direction, num_bytes, enqueue, hold, release) -> None:
+        if self._closed:
+            raise RuntimeError("this copy executor is closed")
         if job_id in self._jobs:
             raise ValueError(f"copy job {job_id} is already in flight")
         ops = self.ops
@@ -181,28 +191,30 @@ class JobLedger:
     def finished(self) -> list:
         """Jobs whose end event fired, in submission order per direction (polls only)."""
         done = []
-        for queue in self._queues.values():
-            while queue and self.ops.query(queue[0].end):
-                done.append(self._complete(queue.popleft()))
+        with self._lock:
+            for queue in self._queues.values():
+                while queue and self.ops.query(queue[0].end):
+                    done.append(self._complete(queue.popleft()))
         return done
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Return once the named jobs' copies are done (their GPU blocks are reusable)."""
-        for job_id in job_ids:
-            job = self._jobs.get(job_id)
-            if job is not None:
-                self.ops.synchronize(job.end)
+        with self._lock:
+            ends = [job.end for job in (self._jobs.get(job_id) for job_id in job_ids) if job is not None]
+        for end in ends:
+            self.ops.synchronize(end)
 
     def close(self) -> None:
         """Wait for every job in flight, then release what they held."""
-        if self._closed:
-            return
-        self._closed = True
-        for queue in self._queues.values():
-            while queue:
-                job = queue.popleft()
-                self.ops.synchronize(job.end)
-                self._complete(job)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for queue in self._queues.values():
+                while queue:
+                    job = queue.popleft()
+                    self.ops.synchronize(job.end)
+                    self._complete(job)
 
     def _complete(self, job: _Job):
         del self._jobs[job.job_id]
