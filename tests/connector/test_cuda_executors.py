@@ -86,6 +86,7 @@ class FakeDevice:
         self.copies: list[tuple[str, bool, int]] = []  # (stream, src_order_any, rows) per batch call
         self.waits: list[tuple[str, int]] = []  # (stream, compute ops it waited for)
         self.fail_next = False
+        self.align16: list[bool] = []  # per kernel launch
 
     # StreamOps
     def new_stream(self, direction):
@@ -134,9 +135,10 @@ class FakeDevice:
 
         stream.ops.append(("run", run))
 
-    def launch(self, table, rows, programs, chunk_words):
+    def launch(self, table, rows, programs, chunk_words, align16):
         assert self.active is not None, "the kernel must be launched inside the load stream's context"
         self.copies.append((self.active.name, True, rows))
+        self.align16.append(align16)
         self.active.ops.append(("run", lambda: reference_copy(table.numpy(), rows)))
 
     def on_compute(self, fn) -> None:
@@ -490,20 +492,23 @@ _INTERPRETED = r"""
 import numpy as np, torch
 from kvstrata.connector.copy import triton_copy
 rng = np.random.default_rng(5)
-src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-dst = np.zeros_like(src)
+raw_src = rng.integers(0, 256, (1 << 20) + 64, dtype=np.uint8)
+raw_dst = np.zeros_like(raw_src)
+src = raw_src[-raw_src.ctypes.data % 16:][: 1 << 20]   # 16-byte aligned views
+dst = raw_dst[-raw_dst.ctypes.data % 16:][: 1 << 20]
 n = 40
-sizes = rng.integers(1, 600, n).astype(np.int64) * 8          # 8 B .. 4.8 KiB, multiples of 8
-slots = rng.permutation(n).astype(np.int64)                   # scattered, non-overlapping rows
-dst_off = slots * 8192
-src_off = rng.permutation(n).astype(np.int64) * 8192 + 16
-table = torch.from_numpy(np.concatenate([dst.ctypes.data + dst_off, src.ctypes.data + src_off, sizes]))
-triton_copy.triton_launch(table, n, programs=3, chunk_words=64)  # rows > programs, rows > chunk
-expect = np.zeros_like(src)
-for d, s, k in zip(dst_off, src_off, sizes):
-    expect[d:d + k] = src[s:s + k]
-assert (dst == expect).all(), "byte mismatch"
-print("EXACT", int(sizes.sum()))
+for align16, unit, shift in ((False, 8, 8), (True, 16, 16)):
+    dst[:] = 0
+    sizes = rng.integers(1, 300, n).astype(np.int64) * unit   # up to 4.8 KiB, multiples of unit
+    dst_off = rng.permutation(n).astype(np.int64) * 8192     # scattered, non-overlapping rows
+    src_off = rng.permutation(n).astype(np.int64) * 8192 + shift
+    table = torch.from_numpy(np.concatenate([dst.ctypes.data + dst_off, src.ctypes.data + src_off, sizes]))
+    triton_copy.triton_launch(table, n, programs=3, chunk_words=64, align16=align16)  # rows > programs, > chunk
+    expect = np.zeros_like(dst)
+    for d, s, k in zip(dst_off, src_off, sizes):
+        expect[d:d + k] = src[s:s + k]
+    assert (dst == expect).all(), f"byte mismatch (align16={align16})"
+    print("EXACT", align16, int(sizes.sum()))
 """
 
 
@@ -514,7 +519,45 @@ def test_triton_kernel_copies_random_descriptors_byte_exact_under_the_interprete
         [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, timeout=600, env=env, cwd=os.getcwd()
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "EXACT" in out.stdout
+    assert "EXACT False" in out.stdout and "EXACT True" in out.stdout
+
+
+def test_triton_kernel_compiles_for_sm90_with_16_byte_accesses_only_when_aligned(tmp_path, monkeypatch):
+    """No GPU needed: Triton's NVIDIA backend and its bundled ptxas build the cubin."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # not ~/.triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvstrata.connector.copy.triton_copy import copy_rows_kernel
+
+    accesses = {}
+    for align16 in (False, True):
+        source = ASTSource(
+            fn=copy_rows_kernel,
+            signature={"table": "*i64", "rows": "i32", "WORDS": "constexpr", "ALIGN16": "constexpr"},
+            constexprs={"WORDS": 512, "ALIGN16": align16},
+        )
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        except Exception as exc:  # noqa: BLE001 - e.g. a Triton without the NVIDIA backend or ptxas
+            pytest.skip(f"cannot compile for sm_90 here: {exc}")
+        assert compiled.asm["cubin"]
+        ptx = compiled.asm["ptx"]
+        accesses[align16] = {w for line in ptx.splitlines() for w in line.split() if w.startswith(("ld.global", "st.global"))}
+    assert "st.global.v2.b64" in accesses[True] and "ld.global.v2.b64" in accesses[True]
+    assert "st.global.b64" in accesses[False] and not any(".v2." in a for a in accesses[False])
+
+
+def test_kernel_executor_launches_the_16_byte_variant_only_when_every_row_allows_it(device):
+    src, dst = buffers(256 * KIB + 64)
+    base_src, base_dst = -src.ctypes.data % 16, -dst.ctypes.data % 16
+    ex = kernel(device)
+    ex.submit(1, "load", descriptors(dst, [base_dst, base_dst + 4 * KIB], src, [base_src, base_src + 16], [KIB, 32]))
+    ex.submit(2, "load", descriptors(dst, [base_dst, base_dst + 4 * KIB], src, [base_src, base_src + 8], [KIB, 32]))
+    ex.submit(3, "load", descriptors(dst, [base_dst, base_dst + 4 * KIB], src, [base_src, base_src + 16], [KIB, 24]))
+    assert device.align16 == [True, False, False]
+    ex.close()
 
 
 # --- the driver call's ABI, against a ctypes stand-in for cuMemcpyBatchAsync ----------------

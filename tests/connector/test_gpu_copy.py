@@ -167,3 +167,25 @@ def test_a_refused_registration_does_not_poison_the_next_kernel_launch():
         assert float((x * 2).sum()) == 2048.0  # torch checks cudaGetLastError after this launch
     finally:
         pins.close()
+
+
+def test_kernel_load_of_rows_that_are_8_but_not_16_byte_multiples(pins):
+    """The one-word kernel variant (ALIGN16 off): rows of page - 8 bytes, at +8 offsets."""
+    _, kernel_cls = _executors()
+    page = 8 * KIB
+    gpu, host, blocks, slots = layout(page, 1)
+    pins.register(host)
+    host.copy_(torch.randint(-128, 127, host.shape, dtype=torch.int8))
+    before = gpu[0].clone()
+    full = descriptors(gpu, host, blocks, slots, page, "load")
+    desc = Descriptors(full.dst + 8, full.src, full.sizes - 8)
+    ex = kernel_cls()
+    ex.submit(1, "load", desc)
+    ex.wait({1})
+    assert ex.finished()[0].success
+    index = torch.from_numpy(blocks).cuda()
+    got = gpu[0][index].cpu()
+    want = host.view(len(slots), page)[torch.from_numpy(slots)]
+    assert torch.equal(got[:, 8:], want[:, : page - 8])
+    assert torch.equal(got[:, :8], before[index].cpu()[:, :8])  # the first word untouched
+    ex.close()

@@ -8,7 +8,9 @@ DMA engines win GPU -> host, and a store must not take SMs from the forward pass
 The kernel: a fixed number of programs (a small SM slice) walk the descriptor table
 [dst... | src... | sizes...] (int64); each program takes rows pid, pid + P, ... and
 copies a row in chunks of WORDS int64 words, masked at the row's end. Every size and
-address must be a multiple of 8 (checked before launch). Host memory must be registered
+address must be a multiple of 8 (checked before launch); where all are multiples of 16
+the launch says so (ALIGN16) and each access moves 16 bytes (checked: the sm_90 PTX
+then has ld/st.global.v2.b64, without it ld/st.global.b64). Host memory must be registered
 with CUDA (pinning.py): the kernel reads it through its unified address.
 
 Descriptor tables travel to the GPU from a pool of pinned buffers (`PinnedPool`); a
@@ -44,15 +46,19 @@ NUM_PROGRAMS = 12
 CHUNK_WORDS = 512  # 4 KiB per inner step; 4 warps -> 4 int64 words per thread
 MIN_TABLE_ROWS = 1024  # pinned buffers hold at least this many rows (3 int64 each)
 
-# launch(table, rows, programs, chunk_words): queue the copy on the current stream.
-Launch = Callable[[torch.Tensor, int, int, int], None]
+# launch(table, rows, programs, chunk_words, align16): queue the copy on the current stream.
+Launch = Callable[[torch.Tensor, int, int, int, bool], None]
 
 
 if triton is not None:
 
     @triton.jit
-    def copy_rows_kernel(table, rows, WORDS: tl.constexpr):
-        """Row r copies table[2R + r] bytes from table[R + r] to table[r] (R = rows)."""
+    def copy_rows_kernel(table, rows, WORDS: tl.constexpr, ALIGN16: tl.constexpr):
+        """Row r copies table[2R + r] bytes from table[R + r] to table[r] (R = rows).
+
+        ALIGN16 promises every address and size is a multiple of 16 bytes: the compiler
+        then moves two words per access (ld/st.global.v2.b64) instead of one.
+        """
         offsets = tl.arange(0, WORDS)
         row = tl.program_id(0)
         step = tl.num_programs(0)
@@ -60,18 +66,22 @@ if triton is not None:
             dst = tl.load(table + row).to(tl.pointer_type(tl.int64))
             src = tl.load(table + rows + row).to(tl.pointer_type(tl.int64))
             words = tl.load(table + 2 * rows + row) // 8
+            if ALIGN16:
+                dst = tl.multiple_of(dst, 16)
+                src = tl.multiple_of(src, 16)
+                words = tl.multiple_of(words, 2)
             for first in range(0, words, WORDS):
-                index = first + offsets
+                index = tl.max_contiguous(tl.multiple_of(first + offsets, 2), WORDS)
                 inside = index < words
                 tl.store(dst + index, tl.load(src + index, mask=inside, other=0), mask=inside)
             row += step
 
 
-def triton_launch(table: torch.Tensor, rows: int, programs: int, chunk_words: int) -> None:
+def triton_launch(table: torch.Tensor, rows: int, programs: int, chunk_words: int, align16: bool = False) -> None:
     """Launch `copy_rows_kernel` on the current stream (Triton uses torch's)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    copy_rows_kernel[(max(1, min(programs, rows)),)](table, rows, WORDS=chunk_words)
+    copy_rows_kernel[(max(1, min(programs, rows)),)](table, rows, WORDS=chunk_words, ALIGN16=align16)
 
 
 def reference_copy(table: np.ndarray, rows: int) -> None:
@@ -82,13 +92,15 @@ def reference_copy(table: np.ndarray, rows: int) -> None:
         ctypes.memmove(int(table[row]), int(table[rows + row]), int(table[2 * rows + row]))
 
 
-def check_words(desc: Descriptors) -> None:
-    """The kernel moves int64 words: every size and address must be a multiple of 8."""
+def check_words(desc: Descriptors) -> bool:
+    """The kernel moves int64 words: every size and address must be a multiple of 8.
+    Returns whether they are all multiples of 16 too (the two-word variant applies)."""
     if desc.rows == 0:
-        return
+        return False
     bits = int(np.bitwise_or.reduce(desc.sizes) | np.bitwise_or.reduce(desc.dst) | np.bitwise_or.reduce(desc.src))
     if bits % WORD_BYTES:
         raise ValueError("the copy kernel needs every size and address to be a multiple of 8 bytes")
+    return bits % 16 == 0
 
 
 class PinnedPool:
@@ -160,7 +172,7 @@ class KernelExecutor:
         if direction != "load":
             raise ValueError("the copy kernel does loads only; stores go by DMA")
         check_descriptors(desc)
-        check_words(desc)
+        align16 = check_words(desc)
         rows = desc.rows
         if rows == 0:
             self.ledger.run(job_id, direction, 0, lambda stream: None, hold=(desc,))
@@ -179,7 +191,7 @@ class KernelExecutor:
             # the device table is allocated for that stream.
             on_device = buffer[: 3 * rows].to(device, non_blocking=True)
             staged.append(on_device)
-            launch(on_device, rows, programs, words)
+            launch(on_device, rows, programs, words, align16)
 
         self.ledger.run(
             job_id, direction, desc.num_bytes, enqueue, hold=(desc, buffer, staged), release=lambda: pool.give(buffer)
