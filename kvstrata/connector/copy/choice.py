@@ -1,0 +1,112 @@
+"""Which CUDA executor moves one transfer: the DMA engines or the Triton copy kernel.
+
+The rule (engine.gpu_copy), measured by vLLM on H100 and kept as its thresholds:
+  * stores (GPU -> host) always go by DMA: the copy engines beat SM copies there, and a
+    kernel would take SMs from the forward pass that is still running;
+  * loads under "auto" go by kernel only where the kernel wins: every row under 28 KiB
+    (above that one DMA descriptor per row is faster), at least 16 rows (below that the
+    launch costs more than it saves), every size and address a multiple of 8 (the kernel
+    moves int64 words) and host memory pinned (a kernel can only read host memory that
+    is registered with CUDA; DMA also works from pageable memory, slower);
+  * "kernel" forces the kernel for loads, except where the kernel cannot move the bytes
+    at all (unaligned rows or pageable host memory): those still go by DMA, since a
+    forced setting must not turn into a wrong copy or an illegal-address fault;
+  * "dma" always uses DMA.
+
+A row here is one descriptor after contiguous pages were merged, which is what one DMA
+descriptor or one kernel program moves: a run of small pages that merged into a large
+row is, for this choice, a large row.
+
+No torch import at module level: the rule is plain arithmetic on the descriptor arrays;
+the executors are imported only by `make_cuda_executor`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+
+from kvstrata.connector.copy.descriptors import Descriptors
+
+logger = logging.getLogger(__name__)
+
+KERNEL_MAX_ROW_BYTES = 28 * 1024
+KERNEL_MIN_ROWS = 16
+WORD_BYTES = 8
+
+GpuCopy = Literal["auto", "dma", "kernel"]
+Method = Literal["dma", "kernel"]
+
+
+def kernel_can_move(desc: Descriptors, host_pinned: bool) -> bool:
+    """Whether the Triton kernel can copy these rows at all (not whether it is faster)."""
+    if not host_pinned or desc.rows == 0:
+        return False
+    unaligned = np.bitwise_or.reduce(desc.sizes) | np.bitwise_or.reduce(desc.dst) | np.bitwise_or.reduce(desc.src)
+    return int(unaligned) % WORD_BYTES == 0
+
+
+def choose(gpu_copy: GpuCopy, direction: str, desc: Descriptors, host_pinned: bool) -> Method:
+    """"dma" or "kernel" for one transfer; see the module docstring for the rule."""
+    if gpu_copy not in ("auto", "dma", "kernel"):
+        raise ValueError(f"gpu_copy must be auto, dma or kernel, not {gpu_copy!r}")
+    if direction not in ("store", "load"):
+        raise ValueError(f"direction must be store or load, not {direction!r}")
+    if direction == "store" or gpu_copy == "dma":
+        return "dma"
+    if not kernel_can_move(desc, host_pinned):
+        return "dma"
+    if gpu_copy == "kernel":
+        return "kernel"
+    if desc.rows >= KERNEL_MIN_ROWS and int(desc.sizes.max()) < KERNEL_MAX_ROW_BYTES:
+        return "kernel"
+    return "dma"
+
+
+class CudaCopyRouter:
+    """The executor interface over a DMA and (optionally) a kernel executor that share
+    one JobLedger: each transfer goes where `choose` says, and because both queue on the
+    same per-direction streams, loads still complete in submission order whichever way
+    each one went."""
+
+    def __init__(self, gpu_copy: GpuCopy, dma: Any, kernel: Any | None, host_pinned: Callable[[], bool]):
+        if kernel is not None and kernel.ledger is not dma.ledger:
+            raise ValueError("the DMA and kernel executors must share one JobLedger")
+        self.gpu_copy = gpu_copy
+        self.dma = dma
+        self.kernel = kernel
+        self.host_pinned = host_pinned
+        self.counts = {"dma": 0, "kernel": 0}
+
+    def submit(self, job_id: int, direction: str, desc: Descriptors) -> None:
+        method = choose(self.gpu_copy, direction, desc, self.host_pinned()) if self.kernel is not None else "dma"
+        self.counts[method] += 1
+        (self.kernel if method == "kernel" else self.dma).submit(job_id, direction, desc)
+
+    def finished(self) -> list:
+        return self.dma.ledger.finished()
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.dma.ledger.wait(job_ids)
+
+    def close(self) -> None:
+        self.dma.ledger.close()
+
+
+def make_cuda_executor(gpu_copy: GpuCopy, device: Any = None, host_pinned: Callable[[], bool] = lambda: True) -> CudaCopyRouter:
+    """The CUDA executor for engine.gpu_copy on `device`; without Triton, DMA only (logged)."""
+    from kvstrata.connector.copy.cuda_dma import CudaDmaExecutor
+
+    dma = CudaDmaExecutor(device)
+    kernel = None
+    if gpu_copy != "dma":
+        try:
+            from kvstrata.connector.copy.triton_copy import KernelExecutor
+
+            kernel = KernelExecutor(device, ledger=dma.ledger)
+        except RuntimeError as exc:
+            logger.warning("gpu_copy %s: %s; every transfer goes by DMA", gpu_copy, exc)
+    return CudaCopyRouter(gpu_copy, dma, kernel, host_pinned)
