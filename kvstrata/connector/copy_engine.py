@@ -16,10 +16,13 @@ KV cache rows and arena segments before anything moves; contiguous rows are merg
 On CPU tensors `copy.host.HostRowExecutor` copies them at submit time (the CPU is the
 compute device; there is nothing to overlap with): natively (`_rowcopy`, one call for
 the whole transfer, without the GIL) or one `ctypes.memmove` per row, split over
-`copy_threads` threads when large. On CUDA tensors each segment
-is registered with cudaHostRegister and copies run on a dedicated stream per
-direction; completion is an event, and `wait` returns only when the GPU blocks are
-reusable.
+`copy_threads` threads when large. On CUDA tensors each segment is registered with
+cudaHostRegister once (`copy.pinning`; a refusal is logged, counted and copies go by
+pageable DMA) and each transfer is one submission (`copy.choice`, `engine.gpu_copy`):
+one batched `cuMemcpyBatchAsync` (`copy.cuda_dma`) or, for loads of many small pages, a
+Triton copy kernel (`copy.triton_copy`), on a stream per direction that first waits for
+the compute stream; completion is an event, and `wait` returns only when the GPU blocks
+are reusable.
 """
 
 from __future__ import annotations
@@ -31,15 +34,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstrata.connector.copy import Completed
+from kvstrata.connector.copy import Completed, Executor
+from kvstrata.connector.copy.choice import GpuCopy, make_cuda_executor
 from kvstrata.connector.copy.descriptors import CopyPlan, Descriptors, PageSpace, SlotSpace, build_descriptors
 from kvstrata.connector.copy.host import PARALLEL_MIN_BYTES, HostRowExecutor, native_copy_rows
+from kvstrata.connector.copy.pinning import Pinning
 from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.shm import SharedMemoryFile
 
 __all__ = ["PARALLEL_MIN_BYTES", "Completed", "CopyEngine", "CopyPlan", "GroupRef", "SlotLayout", "native_copy_rows"]
 
 logger = logging.getLogger(__name__)
+
+
+_LOADS = {
+    "auto": "the Triton kernel where every page is under 28 KiB, DMA otherwise",
+    "dma": "batched DMA",
+    "kernel": "the Triton kernel",
+}
 
 
 @dataclass(frozen=True)
@@ -73,10 +85,14 @@ class SlotLayout:
 
 
 class ArenaMap:
-    """Lazily maps the arena segments a transfer touches; never unlinks them."""
+    """Lazily maps the arena segments a transfer touches; never unlinks them.
 
-    def __init__(self, pin_for_cuda: bool = False):
-        self.pin_for_cuda = pin_for_cuda
+    With `pinning` (CUDA workers), each segment is registered with CUDA when first mapped
+    and unregistered before it is unmapped.
+    """
+
+    def __init__(self, pinning: Pinning | None = None):
+        self.pinning = pinning
         self._segments: dict[str, SharedMemoryFile] = {}
         self._tensors: dict[str, torch.Tensor] = {}
 
@@ -86,36 +102,19 @@ class ArenaMap:
         if tensor is None:
             mapped = SharedMemoryFile.attach(path)
             tensor = torch.from_numpy(mapped.array.view(np.int8))
-            if self.pin_for_cuda:
-                _host_register(tensor)
+            if self.pinning is not None:
+                self.pinning.register(tensor)  # False: logged and counted; DMA still works
             self._segments[path] = mapped
             self._tensors[path] = tensor
         return tensor
 
     def close(self) -> None:
-        for tensor in self._tensors.values():
-            if self.pin_for_cuda:
-                _host_unregister(tensor)
+        if self.pinning is not None:
+            self.pinning.close()
         self._tensors.clear()
         for segment in self._segments.values():
             segment.close()
         self._segments.clear()
-
-
-def _host_register(tensor: torch.Tensor) -> None:
-    cudart = torch.cuda.cudart()
-    result = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-    if int(result) != 0:
-        raise RuntimeError(f"cudaHostRegister of a kvstrata arena segment failed with error {int(result)}")
-
-
-def _host_unregister(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-
-
-def _rows(plan: CopyPlan):
-    """(tensor, block, segment, offset, bytes) per page copy, as Python ints."""
-    return zip(plan.tensor_idx.tolist(), plan.block_id.tolist(), plan.segment.tolist(), plan.offset.tolist(), plan.num_bytes.tolist())
 
 
 class CopyEngine:
@@ -131,8 +130,10 @@ class CopyEngine:
         copy_threads: int = 1,
         native: bool | None = None,
         merge: bool = True,
+        gpu_copy: GpuCopy = "auto",
     ):
-        """`merge=False` keeps one copy per page (tests compare both); merging is always safe."""
+        """`merge=False` keeps one copy per page (tests compare both); merging is always safe.
+        `gpu_copy` (engine.gpu_copy) picks DMA or the Triton kernel on CUDA (`copy.choice`)."""
         if not tensors:
             raise ValueError("no KV cache tensors to copy")
         if copy_threads < 1:
@@ -151,10 +152,11 @@ class CopyEngine:
         self.layout = SlotLayout([t.shape[1] for t in self.tensors], blocks_per_chunk, rank, rank_stride)
         self.blocks_per_chunk = blocks_per_chunk
         self.is_cuda = self.tensors[0].is_cuda
-        self.arena = ArenaMap(pin_for_cuda=self.is_cuda)
-        self._completed: list[Completed] = []
+        self.pinning = Pinning() if self.is_cuda else None
+        self.arena = ArenaMap(self.pinning)
         self.copy_threads = copy_threads
         self.merge = merge
+        self.gpu_copy = gpu_copy
         # Integers only: the same builder serves host and device pointers.
         self.pages = PageSpace.of(
             [t.data_ptr() for t in self.tensors],
@@ -164,15 +166,17 @@ class CopyEngine:
         )
         if native and native_copy_rows is None:
             raise RuntimeError("kvstrata's native copy module (_rowcopy) was not built; reinstall with a C compiler")
-        self._host: HostRowExecutor | None = None
+        self.executor: Executor
         if self.is_cuda:
-            self._streams = {"store": torch.cuda.Stream(), "load": torch.cuda.Stream()}
-            self._pending: dict[int, tuple[torch.cuda.Event, torch.cuda.Event, int]] = {}
+            pinning = self.pinning
+            # The kernel reads host memory only if every segment is registered; one refusal
+            # sends every later load by DMA, which also works from pageable memory.
+            self.executor = make_cuda_executor(gpu_copy, self.tensors[0].device, host_pinned=lambda: pinning.failures == 0)
             self.native = False
         else:
             # Read the threshold now (not at import) so tests can lower it.
-            self._host = HostRowExecutor(copy_threads, native, parallel_min_bytes=PARALLEL_MIN_BYTES)
-            self.native = self._host.native
+            self.executor = HostRowExecutor(copy_threads, native, parallel_min_bytes=PARALLEL_MIN_BYTES)
+            self.native = self.executor.native
 
     # --- planning ----------------------------------------------------------------
 
@@ -239,14 +243,7 @@ class CopyEngine:
 
     def _run(self, job_id: int, direction: str, plan: CopyPlan, geometry: PoolGeometry) -> None:
         segments = {int(seg): self.arena.tensor(geometry, int(seg)) for seg in np.unique(plan.segment)}
-        if self._host is not None:
-            self._host.submit(job_id, direction, self.descriptors(direction, plan, segments))
-            return
-        num_bytes = int(plan.num_bytes.sum())
-        if not num_bytes:
-            self._completed.append(Completed(job_id, True, 0, 0.0))
-            return
-        self._run_cuda(job_id, direction, _rows(plan), segments, num_bytes)
+        self.executor.submit(job_id, direction, self.descriptors(direction, plan, segments))
 
     def descriptors(self, direction: str, plan: CopyPlan, segments: dict[int, torch.Tensor]) -> Descriptors:
         """The plan's (dst, src, sizes), every row checked to lie inside its page and segment.
@@ -257,50 +254,21 @@ class CopyEngine:
         slot_space = SlotSpace.of({seg: (t.data_ptr(), t.numel()) for seg, t in segments.items()})
         return build_descriptors(direction, plan, self.pages, slot_space, merge=self.merge)
 
-    def _run_cuda(self, job_id: int, direction: str, rows, segments: dict[int, torch.Tensor], num_bytes: int) -> None:
-        stream = self._streams[direction]
-        # Stores read KV the forward pass just wrote; loads must not overtake writes
-        # (zeroing) still queued for their destination blocks.
-        stream.wait_stream(torch.cuda.current_stream())
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        to_arena = direction == "store"
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            for t, block, seg, off, n in rows:
-                host = segments[seg][off : off + n]
-                page = self.tensors[t][block, :n]
-                if to_arena:
-                    host.copy_(page, non_blocking=True)
-                else:
-                    page.copy_(host, non_blocking=True)
-            end.record(stream)
-        self._pending[job_id] = (start, end, num_bytes)
+    def describe(self) -> str:
+        """How this worker copies, for its start-up log line."""
+        if self.is_cuda:
+            return f"CUDA copies (engine.gpu_copy {self.gpu_copy}: stores by batched DMA, loads by {_LOADS[self.gpu_copy]})"
+        return f"CPU copies ({'native' if self.native else 'ctypes.memmove'}, {self.copy_threads} threads)"
 
     def finished(self) -> list[Completed]:
-        if self._host is not None:
-            return self._host.finished()
-        for job_id, (start, end, num_bytes) in list(self._pending.items()):
-            if end.query():
-                del self._pending[job_id]
-                self._completed.append(Completed(job_id, True, num_bytes, start.elapsed_time(end) / 1000))
-        done, self._completed = self._completed, []
-        return done
+        """Transfers completed since the last call, each reported once."""
+        return self.executor.finished()
 
     def wait(self, job_ids: set[int]) -> None:
         """Return once the named transfers no longer touch their GPU blocks."""
-        if self._host is not None:
-            self._host.wait(job_ids)
-            return
-        for job_id in job_ids:
-            pending = self._pending.get(job_id)
-            if pending is not None:
-                pending[1].synchronize()
+        self.executor.wait(job_ids)
 
     def close(self) -> None:
-        if self._host is not None:
-            self._host.close()
-        if self.is_cuda:
-            for stream in self._streams.values():
-                stream.synchronize()
+        """Finish what is in flight, then unregister and unmap the arena segments."""
+        self.executor.close()
         self.arena.close()

@@ -135,7 +135,8 @@ class StrataSpec(OffloadingSpec):
         if self._worker is None:
             from kvstrata.connector.worker import StrataWorker
 
+            engine = self.kvstrata_config.engine
             self._worker = StrataWorker(
-                kv_caches, self.layout, self.config.parallel.rank, copy_threads=self.kvstrata_config.engine.copy_threads
+                kv_caches, self.layout, self.config.parallel.rank, copy_threads=engine.copy_threads, gpu_copy=engine.gpu_copy
             )
         return self._worker

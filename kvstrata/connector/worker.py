@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class StrataWorker(OffloadingWorker):
-    def __init__(self, kv_caches: CanonicalKVCaches, layout: Layout, rank: int, copy_threads: int = 1):
+    def __init__(
+        self, kv_caches: CanonicalKVCaches, layout: Layout, rank: int, copy_threads: int = 1, gpu_copy: str = "auto"
+    ):
         tensors = [
             entry.tensor.view(torch.int8).view(-1, entry.page_size_bytes) for entry in kv_caches.tensors
         ]
@@ -43,6 +45,7 @@ class StrataWorker(OffloadingWorker):
             rank=rank,
             rank_stride=layout.rank_bytes,
             copy_threads=copy_threads,
+            gpu_copy=gpu_copy,
         )
         # A slot holds every tensor's page of a block (as vLLM sizes its CPU slots); a
         # group that spans fewer tensors, or un-padded pages, leaves part of it unused.
@@ -54,7 +57,7 @@ class StrataWorker(OffloadingWorker):
             len(tensors),
             len(group_refs),
             "/".join(f"{share:.0%}" for share in fill),
-            "CUDA" if self.engine.is_cuda else f"CPU ({'native' if self.engine.native else 'numpy'}, {copy_threads} threads)",
+            self.engine.describe(),
         )
 
     @override

@@ -35,8 +35,10 @@ def pool(tmp_path):
 GROUPS = [[GroupRef(0, 256), GroupRef(1, 512)], [GroupRef(1, 400)]]
 
 
-def engine(tensors, rank, native=None):
-    return CopyEngine(tensors, GROUPS, blocks_per_chunk=2, rank=rank, rank_stride=sum(PAGES) * 2, native=native)
+def engine(tensors, rank, native=None, gpu_copy="auto"):
+    return CopyEngine(
+        tensors, GROUPS, blocks_per_chunk=2, rank=rank, rank_stride=sum(PAGES) * 2, native=native, gpu_copy=gpu_copy
+    )
 
 
 NATIVE = pytest.param(
@@ -171,20 +173,26 @@ def test_bad_engine_arguments_are_refused_with_the_value_at_fault():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_round_trip_through_registered_arena(pool):
+@pytest.mark.parametrize("gpu_copy", ["auto", "dma", "kernel"])
+def test_cuda_round_trip_through_registered_arena(pool, gpu_copy):
+    """The engine as a CUDA worker runs it: registered segments, the descriptor builder,
+    the router's DMA or kernel, events; both groups (group 1 copies 400 of 512 bytes)."""
     slots = np.array(pool.reserve("w", 3), dtype=np.int64)
     src = make_tensors("cuda", seed=3)
     block_ids = np.array([3, 7, 9, 11, 2], dtype=np.int32)
-    writer = engine(src, rank=0)
+    writer = engine(src, rank=0, gpu_copy=gpu_copy)
     writer.store(1, pool.geometry, block_ids, [3, 2], [1, 4], slots)
     writer.wait({1})
+    assert writer.pinning.failures == 0 and writer.pinning.registered_bytes > 0
     dst = [torch.zeros_like(t) for t in src]
-    reader = engine(dst, rank=0)
+    reader = engine(dst, rank=0, gpu_copy=gpu_copy)
     reader.load(2, pool.geometry, slots, block_ids, [3, 2], [1, 4])
     reader.wait({2})
-    assert [c.job_id for c in reader.finished()] == [2]
+    assert [(c.job_id, c.success) for c in reader.finished()] == [(2, True)]
     for b in [3, 7, 9]:
         assert torch.equal(dst[0][b], src[0][b]) and torch.equal(dst[1][b], src[1][b])
+    for b in [11, 2]:
+        assert torch.equal(dst[1][b, :400], src[1][b, :400]) and not dst[1][b, 400:].any()
     writer.close()
     reader.close()
 
@@ -202,3 +210,12 @@ def test_the_native_path_refuses_rows_outside_their_buffers_before_copying(pool)
     past_page = plan._replace(num_bytes=plan.num_bytes + 1)
     with pytest.raises(ValueError, match="from block 1 of tensor 0 is longer than its 256-byte page"):
         eng.descriptors("load", past_page, segments)
+
+
+def test_the_worker_log_line_says_how_it_copies(pool):
+    engine_ = CopyEngine(make_tensors(), GROUPS, blocks_per_chunk=2, rank=0, rank_stride=sum(PAGES) * 2, copy_threads=3, native=False)
+    try:
+        assert engine_.describe() == "CPU copies (ctypes.memmove, 3 threads)"
+        assert engine_.gpu_copy == "auto" and engine_.pinning is None  # CPU tensors: nothing to register
+    finally:
+        engine_.close()

@@ -29,13 +29,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvstrata.connector.copy.descriptors import Descriptors
+from kvstrata.connector.copy.descriptors import WORD_BYTES, Descriptors
 
 logger = logging.getLogger(__name__)
 
 KERNEL_MAX_ROW_BYTES = 28 * 1024
 KERNEL_MIN_ROWS = 16
-WORD_BYTES = 8
 
 GpuCopy = Literal["auto", "dma", "kernel"]
 Method = Literal["dma", "kernel"]

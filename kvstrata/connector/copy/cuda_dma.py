@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvstrata.connector import copy_engine as _copy_engine  # module, not name: copy_engine may import us
+from kvstrata.connector.copy import Completed
 from kvstrata.connector.copy.descriptors import Descriptors
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class JobLedger:
         self._queues[direction].append(job)
         self._jobs[job_id] = job
 
-    def finished(self) -> list:
+    def finished(self) -> list[Completed]:
         """Jobs whose end event fired, in submission order per direction (polls only)."""
         done = []
         with self._lock:
@@ -223,7 +223,7 @@ class JobLedger:
         if job.release is not None:
             job.release()
             job.release = None
-        return _copy_engine.Completed(job.job_id, job.success, job.num_bytes if job.success else 0, seconds)
+        return Completed(job.job_id, job.success, job.num_bytes if job.success else 0, seconds)
 
 
 def check_descriptors(desc: Descriptors) -> None:

@@ -19,6 +19,10 @@ import numpy as np
 DIRECTIONS = ("store", "load")
 
 
+# The Triton copy kernel moves int64 words: rows it copies are multiples of this, aligned to it.
+WORD_BYTES = 8
+
+
 class Descriptors(NamedTuple):
     """Row i copies `sizes[i]` bytes from address `src[i]` to address `dst[i]`.
 

@@ -29,9 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstrata.connector.copy.choice import WORD_BYTES
 from kvstrata.connector.copy.cuda_dma import JobLedger, StreamOps, TorchStreamOps, check_descriptors
-from kvstrata.connector.copy.descriptors import Descriptors
+from kvstrata.connector.copy.descriptors import WORD_BYTES, Descriptors
 
 try:
     import triton
