@@ -221,6 +221,10 @@ def run_row(fault: Fault, model: Path, reference: list[list[int]], control: RowR
         fault.lift(ctx)
         lifted = time.monotonic()
         if fault.name in CONTROLS:
+            # A control's own baseline is its store once round 2 has loaded: a tier's
+            # client pools (S3 connections, their threads) open on first use, not leak.
+            settle()
+            before = _store_sample() or before
             for _ in range(CONTROL_ROUNDS):
                 settle()
                 rounds += _round(llms, batch, None, ctx, result)
