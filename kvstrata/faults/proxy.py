@@ -1,7 +1,8 @@
 """A loopback TCP proxy in front of an S3 server that can misbehave on demand.
 
 Modes, switched at any time (`set_mode`):
-- ``forward``: pass bytes both ways (optionally capped at `bytes_per_second`);
+- ``forward``: pass bytes both ways (optionally capped at `bytes_per_second`, which all
+  connections and both directions share, as a throttled bucket or a far link would);
 - ``refuse``: reset every connection (a server that is down);
 - ``blackhole``: accept and read, never answer, and stop forwarding on open
   connections (a server or network that went silent);
@@ -40,6 +41,7 @@ class FaultProxy:
         self._open: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._mode = "forward"
+        self._next_free = 0.0  # when the capped link is free again (monotonic)
         self._closed = False
         self.answered_503 = 0
         self._accepter = threading.Thread(target=self._accept, name="fault-proxy-accept", daemon=True)
@@ -141,13 +143,12 @@ class FaultProxy:
 
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
-            while data := source.recv(1 << 16):
+            while data := source.recv(1 << 20 if self.bytes_per_second is None else 1 << 14):
                 if self._mode == "blackhole":
                     break
-                rate = self.bytes_per_second
-                if rate:
-                    time.sleep(len(data) / rate)  # the bandwidth cap itself, not a synchronisation
                 sink.sendall(data)
+                if self.bytes_per_second is not None:
+                    self._pace(len(data))
         except OSError:
             pass
         finally:
@@ -155,6 +156,19 @@ class FaultProxy:
                 self._open -= {source, sink}
             _close(source)
             _close(sink)
+
+    def _pace(self, nbytes: int) -> None:
+        """Hold this pump until the link would have carried `nbytes` at the cap: one budget
+        for every connection and both directions, no burst credit."""
+        with self._lock:
+            rate = self.bytes_per_second
+            if not rate:
+                return
+            now = time.monotonic()
+            self._next_free = max(now, self._next_free) + nbytes / rate
+            wait = self._next_free - now
+        if wait > 0:
+            time.sleep(wait)  # throttling, not synchronisation
 
 
 def _close(sock: socket.socket) -> None:

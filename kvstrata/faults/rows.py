@@ -57,16 +57,20 @@ def kill_store(ctx: RowContext) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def _fill(ctx: RowContext) -> None:
-    """Take every free byte of the disk tier's tmpfs (ENOSPC for the store's next write)."""
-    stats = os.statvfs(ctx.disk_dir)
-    filler = ctx.disk_dir / "filler.bin"
+def _fill_up(ctx: RowContext, directory: Path) -> None:
+    """Take every free byte of `directory`'s tmpfs (ENOSPC for the store's next write)."""
+    stats = os.statvfs(directory)
+    filler = directory / "filler.bin"
     with open(filler, "wb") as f:
         try:
             os.posix_fallocate(f.fileno(), 0, stats.f_bavail * stats.f_frsize)
         except OSError:
             pass  # full: what was wanted
     ctx.state["filler"] = filler
+
+
+def _fill(ctx: RowContext) -> None:
+    _fill_up(ctx, ctx.disk_dir)
 
 
 def _unfill(ctx: RowContext) -> None:
@@ -107,14 +111,7 @@ def _overwrite_objects(ctx: RowContext) -> None:
 
 
 def _fill_shm(ctx: RowContext) -> None:
-    stats = os.statvfs(ctx.shm_dir)
-    filler = ctx.shm_dir / "filler.bin"
-    with open(filler, "wb") as f:
-        try:
-            os.posix_fallocate(f.fileno(), 0, stats.f_bavail * stats.f_frsize)
-        except OSError:
-            pass
-    ctx.state["filler"] = filler
+    _fill_up(ctx, ctx.shm_dir)
 
 
 FAULTS: tuple[Fault, ...] = (
