@@ -194,6 +194,13 @@ def tier_config(fault: Fault, ctx: RowContext) -> dict:
         if fault.name == "object-down-at-start":
             ctx.proxy.set_mode("refuse")  # down before the engine starts; lifted after round 2
         return config
+    if fault.tiers == "two-engines":
+        # Two engines that miss the same chunks at once each reserve a slot per chunk until
+        # the first commit wins: room for the working set plus both engines' copies, as the
+        # control has for one (with 160 slots the row settled at a third of its hits).
+        config = ctx.arena_config()
+        config["tiers"]["cpu"] = ctx.arena(2 * ARENA_ALL)
+        return config
     if fault.tiers == "shm-tmpfs":
         # Room for the whole arena (once the fault is lifted every chunk fits again, as in
         # the control); the filler takes whatever the segments made so far left free.
