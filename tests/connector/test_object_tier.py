@@ -131,7 +131,8 @@ def test_chunks_already_in_the_bucket_are_not_stored_again(env):
     store_chunks(store_a, new_manager(store_a, cfg, holder="a"), [key(1)])
     store_b, cfg_b = new_store("b")
     writer_b = new_manager(store_b, cfg_b, holder="b")
-    step(writer_b, store_b)
+    step(writer_b, store_b)  # returns once store b's sweep of the bucket is done ...
+    step(writer_b)  # ... and the next reply brings what it found to the engine's mirror
     out = writer_b.prepare_store([key(1), key(2)], ctx("w"))
     assert out.keys_to_store == [key(2)]  # no GPU->arena copy, no second upload
 
