@@ -34,25 +34,29 @@ def main() -> int:
     names = [f.name for f in FAULTS] + list(MULTINODE_FAULTS)
     parser.add_argument("--only", help=f"comma-separated rows of: {', '.join(names)}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--min-rounds", type=int, default=0, help="run at least this many rounds per row (hunting rare changed outputs)"
+    )
     args = parser.parse_args()
     wanted = [n for n in (args.only or "").split(",") if n] or names
     unknown = [n for n in wanted if n not in names]
     if unknown:
         parser.error(f"unknown row(s): {', '.join(unknown)}")
     started = time.monotonic()
-    results = run(wanted)
+    results = run(wanted, args.min_rounds)
     print_table(results, time.monotonic() - started)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) | {"ok": r.ok} for r in results], indent=2))
     return 0 if all(r.ok for r in results) else 1
 
 
-def run(wanted: list[str]) -> list:
+def run(wanted: list[str], min_rounds: int = 0) -> list:
     from kvstrata.faults.harness import run_rows
     from kvstrata.faults.multinode import MULTINODE_FAULTS, run_multinode_rows
 
     single = [n for n in wanted if n not in MULTINODE_FAULTS]
-    results = run_rows(single, progress=lambda name: print(f"row {name} ...", flush=True)) if single else []
+    progress = lambda name: print(f"row {name} ...", flush=True)  # noqa: E731
+    results = run_rows(single, progress=progress, min_rounds=min_rounds) if single else []
     multi = [n for n in wanted if n in MULTINODE_FAULTS]
     if multi:
         print(f"rows {', '.join(multi)} (simulated three-node cluster) ...", flush=True)

@@ -184,7 +184,9 @@ def _kill_victim(ctx: RowContext) -> None:
     ctx.state["victim_shm"] = mapped
 
 
-def run_row(fault: Fault, model: Path, reference: list[list[int]], control: RowResult | None = None) -> RowResult:
+def run_row(
+    fault: Fault, model: Path, reference: list[list[int]], control: RowResult | None = None, min_rounds: int = 0
+) -> RowResult:
     """Run one fault row end to end; never raises (an error is the row's result).
 
     `control` is the fault-free row of the same tier config, run earlier in the same
@@ -192,6 +194,9 @@ def run_row(fault: Fault, model: Path, reference: list[list[int]], control: RowR
     than a round's working set never serves every chunk, fault or not), and its store's
     footprint after its rounds is what this row's store is compared with for leaks (a
     tier that came up late starts its threads and connections late, not leaked).
+
+    `min_rounds`: keep running fault-free rounds after the hits are back until the row has
+    run this many (per engine), to look for rare changed outputs.
     """
     from kvstrata.testing import _unlink_unmapped, make_llm, shutdown_llm
 
@@ -236,6 +241,8 @@ def run_row(fault: Fault, model: Path, reference: list[list[int]], control: RowR
             rounds += recovery
             if all(r.hit_fraction >= result.target_hit for r in recovery) and _victim_gone(ctx):
                 result.recovery_s = round(time.monotonic() - lifted, 1)
+        while len(rounds) < min_rounds * len(llms):
+            rounds += _round(llms, batch, None, ctx, result)
         result.hits = [round(r.hit_fraction, 3) for r in rounds]
         result.add(rounds, reference)
         settle()
@@ -292,7 +299,7 @@ def _victim_gone(ctx: RowContext) -> bool:
     return False
 
 
-def run_rows(names: list[str], progress: Callable[[str], None] | None = None) -> list[RowResult]:
+def run_rows(names: list[str], progress: Callable[[str], None] | None = None, min_rounds: int = 0) -> list[RowResult]:
     """Run the named single-node rows in one fault session (one model, one Ray cluster)."""
     from kvstrata.faults.rows import by_name
     from kvstrata.faults.session import fault_session
@@ -304,7 +311,7 @@ def run_rows(names: list[str], progress: Callable[[str], None] | None = None) ->
         for fault in with_controls(by_name(names)):
             if progress is not None:
                 progress(fault.name)
-            result = run_row(fault, model, reference, controls.get(CONTROL_OF[fault.tiers]))
+            result = run_row(fault, model, reference, controls.get(CONTROL_OF[fault.tiers]), min_rounds)
             if fault.name in CONTROLS and result.ok:
                 controls[fault.name] = result
             results.append(result)
