@@ -16,9 +16,11 @@ from kvstrata.faults.soak import run_soak
 pytestmark = pytest.mark.slow
 
 # The store SIGKILLed while engines load from it (Ray restarts it; requests recompute),
-# and a stored chunk with a flipped bit (the checksum turns it into a miss, never into
-# wrong KV). Their controls (`none`, `none-disk`) run first, in that order.
-CI_ROWS = ["store-kill-loads", "disk-bit-flip"]
+# and two engines storing the same prompts at the same moment. Their control (`none`)
+# runs first. Rows on the disk and object configs are not here: their 24-slot arena makes
+# a round's hits depend on timing (the disk control's steady hits were 0.15 in one run
+# and 0.55 in another), so "hits back" is not a stable verdict on a loaded CI machine.
+CI_ROWS = ["store-kill-loads", "two-engines-race"]
 SOAK_MINUTES = 2.0
 
 
@@ -33,16 +35,15 @@ def describe(result) -> str:
 def test_short_fault_matrix_loses_nothing_and_recovers():
     results = run_rows(CI_ROWS)
     names = [r.name for r in results]
-    assert names == ["none", "none-disk", "store-kill-loads", "disk-bit-flip"], names
+    assert names == ["none", "store-kill-loads", "two-engines-race"], names
     for result in results:
         assert not result.skipped, describe(result)
         assert result.sent > 0 and result.completed == result.sent, describe(result)
         assert result.ok, describe(result)
-    kill = results[2]
+    assert results[0].steady_hit is not None and results[0].steady_hit >= 0.9, describe(results[0])
+    kill = results[1]
     assert kill.injected_mid_round is not None, describe(kill)
     assert any("killed_store_pid" in note for note in kill.notes), describe(kill)
-    flip = results[3]
-    assert any(note.startswith("damaged=") for note in flip.notes), describe(flip)
 
 
 def test_two_minute_soak_levels_off():
