@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvstrata.connector.copy.descriptors import WORD_BYTES, Descriptors
+from kvstrata.connector.copy.descriptors import DIRECTIONS, WORD_BYTES, Descriptors
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def choose(gpu_copy: GpuCopy, direction: str, desc: Descriptors, host_pinned: bo
     """"dma" or "kernel" for one transfer; see the module docstring for the rule."""
     if gpu_copy not in ("auto", "dma", "kernel"):
         raise ValueError(f"gpu_copy must be auto, dma or kernel, not {gpu_copy!r}")
-    if direction not in ("store", "load"):
+    if direction not in DIRECTIONS:
         raise ValueError(f"direction must be store or load, not {direction!r}")
     if direction == "store" or gpu_copy == "dma":
         return "dma"

@@ -39,11 +39,10 @@ import numpy as np
 import torch
 
 from kvstrata.connector.copy import Completed
-from kvstrata.connector.copy.descriptors import Descriptors
+from kvstrata.connector.copy.descriptors import DIRECTIONS, Descriptors
 
 logger = logging.getLogger(__name__)
 
-DIRECTIONS = ("store", "load")
 
 # batch_copy(dst, src, sizes, stream_handle, src_order_any): enqueue every row on the
 # stream; raise (CudaCopyError) when the driver refuses. The arrays are read during the
