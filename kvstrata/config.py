@@ -130,6 +130,9 @@ class CpuTierConfig(_Strict):
     prefault: bool = Field(
         default=True, description="touch new segments once so first copies run at memcpy speed"
     )
+    audit_chunks: bool = Field(
+        default=False, description="check every chunk promoted from disk or the object store against its commits' digests"
+    )
 
 
 class DiskTierConfig(_Strict):

@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvstrata.actors.chunk_audit import ChunkAudit
 from kvstrata.actors.directory import directory_shard
 from kvstrata.actors.io_meter import IoMeter
 from kvstrata.actors.local_client import LocalStoreClient
@@ -108,6 +109,7 @@ class NodeStore(StoreControl):
             "chunks_exported": 0,  # chunks handed to another node's store
         }
         self.io_meter = IoMeter(clock)
+        self.audit = ChunkAudit() if cpu.audit_chunks else None
         self._clock = clock
         # Each part's own state (see its module).
         self._init_cascade()
@@ -224,6 +226,7 @@ class NodeStore(StoreControl):
                 "writes_pending": self._writes_pending,
                 "gc_frozen_objects": gc.get_freeze_count(),
                 **self.counters,
+                "audit": dict(self.audit.counters) if self.audit is not None else None,
                 "report": store_report(self, disk_stats),
             }
 

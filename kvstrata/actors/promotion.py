@@ -88,10 +88,14 @@ class Promotion(StoreState):
 
         def finish(reads: Future[list[bool]] | None) -> None:
             try:
-                ok = reads.result() if reads is not None else [False] * len(items)
+                read = reads.result() if reads is not None else [False] * len(items)
             except Exception:  # noqa: BLE001
                 logger.exception("kvstrata node store: promotion of %d chunks failed", len(items))
-                ok = [False] * len(items)
+                read = [False] * len(items)
+            ok = self._audited("disk", namespace, pool, items, read)
+            for (key, _), was_read, passed in zip(items, read, ok):
+                if was_read and not passed:  # the audit refused this copy: it is wrong, drop it
+                    self.disk.remove(namespace, key)
             self._finish_promotions("disk", namespace, pool, items, ok, time.perf_counter() - started)
 
         try:
@@ -118,11 +122,18 @@ class Promotion(StoreState):
         except Exception:  # noqa: BLE001
             logger.exception("kvstrata node store: download of %d chunks failed", len(items))
             ok = [False] * len(items)
+        ok = self._audited("object", namespace, pool, items, ok)
         log = self._log(namespace)
         for (key, _), fetched in zip(items, ok):
             if not fetched and self.object.available():
                 log.record(key, OBJECT, False)  # absent or corrupt, not just unreachable
         self._finish_promotions("object", namespace, pool, items, ok, time.perf_counter() - started)
+
+    def _audited(self, source: str, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], ok: list[bool]) -> list[bool]:
+        """`ok` less the chunks the chunk audit refuses (`tiers.cpu.audit_chunks`)."""
+        if self.audit is None:
+            return ok
+        return [arrived and self.audit.promoted(source, namespace, key, pool.view(slot)) for (key, slot), arrived in zip(items, ok)]
 
     def _finish_promotions(
         self, source: str, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], ok: list[bool], seconds: float

@@ -122,6 +122,9 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 self.counters["purges_refused"] = self.counters.get("purges_refused", 0) + 1
                 purge_refused.append(f"purge of {namespace} refused: {request.holder} has not registered it")
             committed, rejected = pool.commit_many(request.holder, request.commit)
+            if self.audit is not None:
+                for key, slot in committed:
+                    self.audit.committed(namespace, key, pool.view(slot))
             if committed:
                 self._copy_commits(namespace, pool, committed)
             self._refresh_object_index(namespace)

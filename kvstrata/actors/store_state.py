@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kvstrata.actors.chunk_audit import ChunkAudit
 from kvstrata.actors.io_meter import IoMeter
 from kvstrata.actors.peers import PeerSync
 from kvstrata.config import KvstrataConfig
@@ -52,6 +53,7 @@ class StoreState:
     _registered: set[tuple[str, str]]  # (holder, namespace) registered with this store: who may purge
     counters: dict[str, int]
     io_meter: IoMeter  # bytes, chunks and seconds each tier moved (status, metrics)
+    audit: ChunkAudit | None  # `tiers.cpu.audit_chunks`: commits' digests checked on promotion
     _clock: Callable[[], float]
     _io_done: threading.Condition  # on `_lock`; notified whenever I/O in flight ends
     disk: DiskTier | None  # None: no disk tier configured, or it failed to open (`disk_error`)

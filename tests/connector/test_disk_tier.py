@@ -27,9 +27,11 @@ def env(tmp_path):
     """Builds stores and managers for a test; closes all of them afterwards."""
     made = {"stores": [], "managers": []}
 
-    def store(slots=8, reserve_slots=2, disk=None, write_policy="write_through", disk_dir="disk", **disk_extra):
+    def store(slots=8, reserve_slots=2, disk=None, write_policy="write_through", disk_dir="disk", audit=False, **disk_extra):
         disk = disk or {"path": str(tmp_path / disk_dir), "capacity": 64 * (SLOT + HEADER_BYTES), "write_policy": write_policy, **disk_extra}
-        cfg = load_config(store_config(tmp_path, capacity=slots * SLOT, reserve_slots=reserve_slots, disk=disk))
+        raw = store_config(tmp_path, capacity=slots * SLOT, reserve_slots=reserve_slots, disk=disk)
+        raw["tiers"]["cpu"]["audit_chunks"] = audit
+        cfg = load_config(raw)
         node_store = NodeStore(cfg, "node0")
         made["stores"].append(node_store)
         return node_store, cfg
@@ -122,6 +124,38 @@ def test_a_corrupt_disk_chunk_is_a_miss_and_counted(env, tmp_path):
     assert results[0] is RETRY and results[-1] is MISS
     assert store.stats()["disk"]["corrupt_chunks"] == 1
     assert store.stats()["promotion_failures"] == 1
+
+
+def test_the_chunk_audit_refuses_a_valid_disk_record_of_other_bytes_and_drops_it(env):
+    """`tiers.cpu.audit_chunks`: a record whose digest matches its bytes, but whose bytes no
+    engine committed under its key, is a miss, counted, and gone from the disk tier; a
+    faithful record of the same store is checked and served."""
+    make_store, make_manager = env
+    store, cfg = make_store(audit=True)
+    writer = make_manager(store, cfg, "writer")
+    data = store_chunks(store, writer, [key(1), key(2)])
+    assert store.wait_io(10)
+    other = np.random.default_rng(99).integers(0, 256, SLOT, dtype=np.uint8)
+    assert store.disk.remove(writer.namespace, key(2))  # a record is never rewritten in place
+    assert store.disk.write_many(writer.namespace, [(key(2), other)]) == [True]
+    push_out_of_arena(store, writer, [key(1), key(2)])
+    assert store.wait_io(10)
+
+    reader = make_manager(store, cfg, "reader")
+    answers = {}
+    for _ in range(20):
+        answers = {k: reader.lookup(k, ctx(k.hex())) for k in (key(1), key(2))}
+        if RETRY not in answers.values():
+            break
+        step(reader)
+        step(writer)  # engines acknowledge every step: the slots the promotion evicts free up
+        store.wait_io(10)
+    assert answers == {key(1): HIT, key(2): MISS}
+    spec = reader.prepare_load([key(1)], ctx(key(1).hex()))
+    assert np.array_equal(store.arena.pools[reader.namespace].view(int(spec.block_ids[0])), data[key(1)])
+    audit = store.stats()["audit"]
+    assert audit["audit_promotions_checked"] == 2 and audit["audit_mismatches"] == 1
+    assert store.disk.present(writer.namespace, [key(1), key(2)]) == {key(1)}
 
 
 def test_a_new_store_serves_what_the_previous_one_left_on_disk(env):
