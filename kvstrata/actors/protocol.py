@@ -23,6 +23,9 @@ class StepRequest:
     hold: list[tuple[bytes, int]] = field(default_factory=list)
     # Resident keys the engine saw reused (offered again, GPU prefix hits): recency only.
     touch: list[bytes] = field(default_factory=list)
+    # Applied after `hold`: a slot both held and unpinned ends unpinned. An unpin that an
+    # engine sent *before* holding the slot again must not travel with that hold (see
+    # `unpins_before_holds`).
     unpin: list[int] = field(default_factory=list)
     commit: list[tuple[int, bytes]] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
@@ -47,12 +50,31 @@ class StepRequest:
             pin=self.pin + later.pin,
             hold=self.hold + later.hold,
             touch=self.touch + later.touch,
-            unpin=self.unpin + later.unpin,
+            unpin=unpins_before_holds(self.unpin, later.hold) + later.unpin,
             commit=self.commit + later.commit,
             release=self.release + later.release,
             reserve=self.reserve + later.reserve,
             purge=self.purge or later.purge,
         )
+
+
+def unpins_before_holds(unpin: list[int], hold: list[tuple[bytes, int]]) -> list[int]:
+    """`unpin` less the slots that `hold`, sent after it, pins again.
+
+    Why: the store applies a request's holds before its unpins (a hold must come before
+    the acknowledgement it guards, and the unpins of HITs released after their hold must
+    win). An engine that released a pin and then, from its mirror, answered a new HIT from
+    the same slot has an older unpin and a newer hold of that slot; sent together (its
+    calls merged while the store was busy, or a failed call's unpins sent again) they
+    would leave the slot unpinned under the new HIT's load, and the store could hand it
+    to a promotion meanwhile (measured in the fault matrix: a request loaded another
+    chunk's bytes, #29). Dropping the unpin keeps the slot pinned throughout, as applying
+    the two in order would: the store's pins are one per holder and slot, not counted.
+    """
+    if not hold or not unpin:
+        return unpin
+    held = {slot for _, slot in hold}
+    return [slot for slot in unpin if slot not in held]
 
 
 @dataclass

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.actors.protocol import StepRequest, unpins_before_holds
 from kvstrata.config import KvstrataConfig
 from kvstrata.connector.compat import (
     HAS_RESET_FLUSHED,
@@ -170,15 +170,17 @@ class StrataManager(PinsAndSlots):
 
     def _take_request(self) -> StepRequest:
         want = self._reserve_target - len(self._stock) - self._reserve_outstanding
+        holds = self._take_holds()
         request = StepRequest(
             holder=self.holder,
             namespace=self.namespace,
             epoch=self._epoch,
             known_seq=self._seq,
             pin=self._to_pin,
-            hold=self._take_holds(),
+            hold=holds,
             touch=self._to_touch,
-            unpin=self._out_unpin,
+            # Every unpin waiting here is older than these holds (a failed call's come back).
+            unpin=unpins_before_holds(self._out_unpin, holds),
             commit=self._out_commit,
             release=self._out_release,
             reserve=max(0, want),

@@ -522,3 +522,68 @@ def test_replies_are_not_applied_between_a_hit_and_its_prepare_load(store_and_co
     assert reader.lookup(key(1), ctx("later")) is MISS
     step(reader)
     assert pool.stats()["orphans"] == 0 and pool.stats()["pinned"] == 0
+
+
+def test_a_slot_released_and_hit_again_while_the_store_is_busy_stays_pinned(store_and_config):
+    """A pin released in one step and its chunk hit again from the mirror in the next,
+    while an earlier call is still in flight: the two requests merge into one that holds
+    and unpins the same slot, and the store applies holds first. The slot must stay pinned
+    under the second HIT (the fault matrix measured a promotion written over it, #29)."""
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])
+    step(writer)  # the writer's own pin goes back
+    client = HangingClient(store)
+    reader = make_manager(store, cfg, holder="reader", client=client)
+    pool = store.arena.pools[reader.namespace]
+    slot = pool.lookup(key(1))
+    assert reader.lookup(key(1), ctx("a")) is HIT  # from the mirror: held with the next call
+    step(reader)
+    assert "reader" in pool._pins.get(slot, ())
+    client.release.clear()
+    reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))  # in flight, hangs
+    reader.prepare_load([key(1)], ctx("a"))
+    reader.complete_load([key(1)], ctx("a"))
+    reader.on_request_finished(ctx("a"))
+    reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))  # queued: unpin
+    assert reader.lookup(key(1), ctx("b")) is HIT  # from the mirror again: a new hold
+    reader.prepare_load([key(1)], ctx("b"))
+    reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))  # merged: unpin + hold
+    client.release.set()
+    assert reader.wait_idle(10)
+    assert "reader" in pool._pins.get(slot, ()), "the slot under request b's load was unpinned"
+    reader.complete_load([key(1)], ctx("b"))
+    reader.on_request_finished(ctx("b"))
+    step(reader)
+    assert "reader" not in pool._pins.get(slot, ())  # and nothing is left pinned after
+
+
+def test_a_failed_calls_unpin_does_not_undo_a_later_hold_of_the_same_slot(store_and_config):
+    """A failed call's unpins are sent again with the next call, which may carry a new hold
+    of the same slot: the slot stays pinned under the new HIT."""
+    store, cfg = store_and_config
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])
+    step(writer)
+    client = FlakyClient(store)
+    reader = make_manager(store, cfg, holder="reader", client=client)
+    pool = store.arena.pools[reader.namespace]
+    slot = pool.lookup(key(1))
+    assert reader.lookup(key(1), ctx("a")) is HIT
+    reader.prepare_load([key(1)], ctx("a"))
+    step(reader)  # the hold reaches the store
+    assert "reader" in pool._pins.get(slot, ())
+    reader.complete_load([key(1)], ctx("a"))
+    reader.on_request_finished(ctx("a"))
+    client.down = True
+    reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))  # the unpin fails
+    assert reader._channel.wait_idle(10)
+    client.down = False
+    assert reader.lookup(key(1), ctx("b")) is HIT
+    reader.prepare_load([key(1)], ctx("b"))
+    step(reader)  # the unpin again, with the new hold
+    assert "reader" in pool._pins.get(slot, ())
+    reader.complete_load([key(1)], ctx("b"))
+    reader.on_request_finished(ctx("b"))
+    step(reader)
+    assert "reader" not in pool._pins.get(slot, ())
