@@ -10,8 +10,8 @@ fall, and every request's tokens equal those of its first (cold) run.
 
 The working set is cut into fixed batches of PER_ROUND prompts and each round runs one
 of them, chosen at random: a request is compared with its own first run in the same
-batch (vLLM's CPU kernels are not batch-invariant: the same prompt in another batch may
-round differently, which is not the cache's doing).
+batch (a batch that fits the arena comes back whole; whether vLLM itself is invariant
+across batch shapes is measured apart, by scripts/vllm_prefix_invariance.py).
 """
 
 from __future__ import annotations
