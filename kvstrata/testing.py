@@ -349,7 +349,7 @@ class ChunkProbe:
     multi-node tests and the peer-fetch benchmark use to stand for vLLM on each node.
     """
 
-    def __init__(self, holder: str, namespace: str, slot_bytes: int):
+    def __init__(self, holder: str, namespace: str, slot_bytes: int, layout: dict[str, Any] | None = None):
         import ray
 
         from kvstrata.actors.client import get_node_store
@@ -357,7 +357,7 @@ class ChunkProbe:
         self._ray = ray
         self.holder, self.namespace = holder, namespace
         self.store = get_node_store()
-        registration = ray.get(self.store.register.remote(holder, namespace, slot_bytes))
+        registration = ray.get(self.store.register.remote(holder, namespace, slot_bytes, layout))
         self.geometry, self.epoch = registration.geometry, registration.epoch
         self.node_id = ray.get_runtime_context().get_node_id()
         self._segments: dict[int, Any] = {}

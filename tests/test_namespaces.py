@@ -51,6 +51,40 @@ def test_holders_cannot_name_the_stores_own():
             check_holder(bad)
 
 
+def test_a_holder_is_bound_to_the_engine_that_registered_it_until_its_lease_ends(tmp_path):
+    """A second engine naming a live holder is refused at registration; a step or a
+    release carrying another epoch changes nothing (its pins stay); once the holder's
+    lease ran out its old epoch is refused and the name can be registered afresh."""
+    slot = 4096
+    clock = FakeClock()
+    store = NodeStore(load_config(store_config(tmp_path, capacity=16 * slot, lease_seconds=10)), "node0", clock=clock)
+    try:
+        first = store.register("engine", "ns", slot).epoch
+        pool = store.arena.pools["ns"]
+        slots = store.step(StepRequest("engine", "ns", epoch=first, reserve=2)).reserved
+        store.step(StepRequest("engine", "ns", epoch=first, commit=[(slots[0], key(1)), (slots[1], key(2))]))
+        assert pool.stats()["pinned"] == 2  # the writer keeps its pins at commit
+        with pytest.raises(ValueError, match="'engine' is already registered by another engine"):
+            store.register("engine", "ns", slot)
+        for epoch in ("", store.arena.epoch, first + "x"):
+            reply = store.step(StepRequest("engine", "ns", epoch=epoch, unpin=slots, purge=True))
+            assert reply.epoch != first and reply.rejected and not reply.reserved
+        with pytest.raises(ValueError, match="'engine' is not registered here"):
+            store.release_holder("engine", "")
+        assert pool.stats()["pinned"] == 2 and sorted(store.keys("ns")) == sorted([key(1), key(2)])
+        assert store.stats()["holders_refused"] == 5
+        assert store.register("engine", "ns", slot, epoch=first).epoch == first  # its own engine, again
+
+        clock.advance(11)  # the engine fell silent for a whole lease
+        reply = store.step(StepRequest("engine", "ns", epoch=first, unpin=slots))
+        assert reply.epoch != first and reply.rejected  # it must register again, and drop its pins
+        assert pool.stats()["pinned"] == 0
+        second = store.register("engine", "ns", slot).epoch
+        assert second != first and not store.step(StepRequest("engine", "ns", epoch=second)).rejected
+    finally:
+        store.close()
+
+
 def test_an_engine_id_of_any_shape_becomes_a_valid_holder_that_keeps_its_pid():
     assert holder_name("3f1c-uuid-1234") == "3f1c-uuid-1234"
     assert holder_name("id-fe80::1-8000-4242") == "id-fe80--1-8000-4242"
@@ -116,10 +150,10 @@ def test_store_refuses_bad_names_at_its_control_surface_and_purges_nothing(tmp_p
     slot = 4096
     store = NodeStore(load_config(store_config(tmp_path, capacity=16 * slot)), "node0")
     try:
-        store.register("engine", "ns", slot)
+        epoch = store.register("engine", "ns", slot).epoch
         pool = store.arena.pools["ns"]
         slots = pool.reserve("engine", 2)
-        store.step(StepRequest("engine", "ns", commit=[(slots[0], key(1)), (slots[1], key(2))]))
+        store.step(StepRequest("engine", "ns", epoch=epoch, commit=[(slots[0], key(1)), (slots[1], key(2))]))
         for call in (
             lambda: store.purge(""),
             lambda: store.purge(".."),
@@ -129,7 +163,7 @@ def test_store_refuses_bad_names_at_its_control_surface_and_purges_nothing(tmp_p
             lambda: store.step(StepRequest("kvstrata:upload", "ns", unpin=[slots[0]])),
             lambda: store.step(StepRequest("engine", "", purge=True)),
             lambda: store.export_chunks("a/b", [key(1)]),
-            lambda: store.release_holder("kvstrata:promote"),
+            lambda: store.release_holder("kvstrata:promote", epoch),
         ):
             with pytest.raises(ValueError, match="invalid"):
                 call()
@@ -153,16 +187,16 @@ def test_a_step_purges_a_namespace_only_for_an_engine_that_registered_it(tmp_pat
     slot = 4096
     store = NodeStore(load_config(store_config(tmp_path, capacity=16 * slot)), "node0")
     try:
-        store.register("owner", "tenant-a-ns", slot)
-        store.register("intruder", "tenant-b-ns", slot)
+        owner = store.register("owner", "tenant-a-ns", slot).epoch
+        intruder = store.register("intruder", "tenant-b-ns", slot).epoch
         pool = store.arena.pools["tenant-a-ns"]
         slots = pool.reserve("owner", 2)
-        store.step(StepRequest("owner", "tenant-a-ns", commit=[(slots[0], key(1)), (slots[1], key(2))]))
-        reply = store.step(StepRequest("intruder", "tenant-a-ns", purge=True))
+        store.step(StepRequest("owner", "tenant-a-ns", epoch=owner, commit=[(slots[0], key(1)), (slots[1], key(2))]))
+        reply = store.step(StepRequest("intruder", "tenant-a-ns", epoch=intruder, purge=True))
         assert any("purge of tenant-a-ns refused" in reason for reason in reply.rejected)
         assert sorted(store.keys("tenant-a-ns")) == sorted([key(1), key(2)])
         assert store.stats()["purges_refused"] == 1
-        store.step(StepRequest("owner", "tenant-a-ns", purge=True))
+        store.step(StepRequest("owner", "tenant-a-ns", epoch=owner, purge=True))
         assert store.keys("tenant-a-ns") == []
     finally:
         store.close()

@@ -125,12 +125,18 @@ class RayStoreClient:
             raise StoreUnavailable(f"node store is down ({type(exc).__name__})") from None
 
     def register(
-        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None, watch: bool = False
+        self,
+        holder: str,
+        namespace: str,
+        slot_bytes: int,
+        layout: Mapping[str, object] | None = None,
+        watch: bool = False,
+        epoch: str = "",
     ) -> Registration:
-        return self._call("register", holder, namespace, slot_bytes, layout, watch)
+        return self._call("register", holder, namespace, slot_bytes, layout, watch, epoch)
 
     def step(self, request: StepRequest) -> StepReply:
         return self._call("step", request)
 
-    def release_holder(self, holder: str) -> None:
-        self._call("release_holder", holder)
+    def release_holder(self, holder: str, epoch: str) -> None:
+        self._call("release_holder", holder, epoch)

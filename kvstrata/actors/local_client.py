@@ -26,12 +26,18 @@ class LocalStoreClient:
         self.store = store
 
     def register(
-        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None, watch: bool = False
+        self,
+        holder: str,
+        namespace: str,
+        slot_bytes: int,
+        layout: Mapping[str, object] | None = None,
+        watch: bool = False,
+        epoch: str = "",
     ) -> Registration:
-        return self.store.register(holder, namespace, slot_bytes, layout, watch)
+        return self.store.register(holder, namespace, slot_bytes, layout, watch, epoch)
 
     def step(self, request: StepRequest) -> StepReply:
         return self.store.step(request)
 
-    def release_holder(self, holder: str) -> None:
-        self.store.release_holder(holder)
+    def release_holder(self, holder: str, epoch: str) -> None:
+        self.store.release_holder(holder, epoch)

@@ -95,6 +95,7 @@ class NodeStore(StoreControl):
         self._logs = {}
         self.layouts = {}
         self._registered = set()
+        self._holders = {}
         self.counters = {
             "promotions": 0,
             "promotion_failures": 0,
@@ -107,6 +108,7 @@ class NodeStore(StoreControl):
             # Promotions by source: disk, another node's store (peer), the object store.
             **{f"{source}_{what}": 0 for source in PROMOTION_SOURCES for what in ("promotions", "promotion_failures")},
             "chunks_exported": 0,  # chunks handed to another node's store
+            "holders_refused": 0,  # registrations, steps and releases naming another engine's holder
         }
         self.io_meter = IoMeter(clock)
         self.audit = ChunkAudit() if cpu.audit_chunks else None

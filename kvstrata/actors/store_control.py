@@ -11,9 +11,13 @@ Owns: the engines' leases and holdings in the arena, the namespaces' pools and l
 the cap on an engine's stock of reserved slots (`MAX_RESERVED_SHARE`), and purging a
 namespace from every tier.
 Invariants: `register` and `step` run under the store lock and first expire dead
-engines' leases; a step for an unknown namespace or from an earlier store epoch is
-answered with the current epoch and nothing else, so the engine registers again; a
-step's holds are taken before its acknowledgement (deferred slot reuse). The
+engines' leases; a registration binds its holder name to the engine that made it (the
+epoch it returns, the store's epoch and a token, must come with every step and the
+release; a second engine naming a live holder is refused), until the holder's lease
+runs out or it is released; a step for an unknown namespace, from an earlier store
+epoch or not bound to its holder is answered with the store's epoch and nothing else,
+so the engine registers again (and forgets every pin it had); a step's holds are taken
+before its acknowledgement (deferred slot reuse). The
 parts behind a step -- copies of committed chunks (cascade.py), promotions
 (promotion.py), the object-store sweep (object_index.py) -- are started from here and
 run in the background: a step never waits for their I/O (a pin whose chunk is on its
@@ -25,6 +29,7 @@ reserved slots); it calls their entry points (`_copy_commits`, `_attach_write_ba
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 
 import numpy as np
@@ -51,12 +56,21 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         return self.arena.epoch
 
     def register(
-        self, holder: str, namespace: str, slot_bytes: int, layout: Mapping[str, object] | None = None, watch: bool = False
+        self,
+        holder: str,
+        namespace: str,
+        slot_bytes: int,
+        layout: Mapping[str, object] | None = None,
+        watch: bool = False,
+        epoch: str = "",
     ) -> Registration:
         """Open (or create) the pool of a namespace for an engine and start its lease.
 
         `watch`: the engine answers HITs from a mirror of the index (a manager); slots are
         then reused only once it acknowledged their chunks' removal.
+        `epoch`: the one this holder's live registration returned, if any; a holder name
+        that is live here and registered by someone else (another epoch or none) is a
+        ValueError: two engines sharing a holder would release each other's pins.
         A bad holder, namespace or `namespace_prefix` is a ValueError naming it (`kvstrata.namespaces`).
         """
         check_holder(holder)
@@ -64,7 +78,16 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         if layout is not None:
             check_tenant(layout.get("namespace_prefix", ""))
         with self._lock:
-            self.arena.expire()
+            self._expire()
+            bound = self._holders.get(holder)
+            if bound is not None and epoch != bound:
+                self.counters["holders_refused"] += 1
+                raise ValueError(
+                    f"holder {holder!r} is already registered by another engine on this node store; "
+                    "give each engine its own engine_id"
+                )
+            if bound is None:
+                bound = self._holders[holder] = f"{self.arena.epoch}.{secrets.token_hex(8)}"
             pool = self._pool(namespace, slot_bytes)
             anchors = (layout or {}).get("anchor_groups")
             pool.positions.set_anchor_groups(anchors)
@@ -82,7 +105,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             if watch:
                 pool.watch(holder, seq)
             return Registration(
-                epoch=self.arena.epoch,
+                epoch=bound,
                 node_id=self.node_id,
                 geometry=pool.geometry,
                 seq=seq,
@@ -96,12 +119,17 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         check_holder(request.holder)
         check_namespace(request.namespace)
         with self._lock:
-            self.arena.expire()
+            self._expire()
             pool = self.arena.pools.get(request.namespace)
-            if pool is None or (request.epoch and request.epoch != self.arena.epoch):
-                # A restarted store forgot the namespace; the new epoch tells the engine to
-                # register again and drop what it believed.
-                return StepReply(epoch=self.arena.epoch, seq=0, rejected=[f"unknown namespace {request.namespace}"])
+            bound = self._holders.get(request.holder)
+            if pool is None or bound is None or request.epoch != bound:
+                # A restarted store forgot the namespace, or the holder's lease ran out (its
+                # pins are gone): an epoch other than its own tells the engine to register
+                # again and drop what it believed.
+                if pool is not None and bound is not None:
+                    self.counters["holders_refused"] += 1
+                why = "unknown namespace" if pool is None else f"holder {request.holder} not registered with epoch {request.epoch!r} in"
+                return StepReply(epoch=self.arena.epoch, seq=0, rejected=[f"{why} {request.namespace}"])
             namespace = request.namespace
             self.arena.renew(request.holder)
             # Holds before anything else, and before the acknowledgement they guard.
@@ -152,7 +180,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             snapshot = since is None
             seq, changes = log.snapshot() if since is None else since
             return StepReply(
-                epoch=self.arena.epoch,
+                epoch=bound,
                 seq=seq,
                 pinned=pinned,
                 missing=missing,
@@ -208,12 +236,25 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             self.counters["chunks_exported"] += len(found)
         return found, digests, chunks
 
-    def release_holder(self, holder: str) -> None:
-        """An engine shutting down cleanly returns its pins and reservations at once."""
+    def release_holder(self, holder: str, epoch: str) -> None:
+        """An engine shutting down cleanly returns its pins and reservations at once
+        (`epoch`: its registration's; another's is a ValueError and releases nothing)."""
         check_holder(holder)
         with self._lock:
+            if self._holders.get(holder) != epoch:
+                self.counters["holders_refused"] += 1
+                raise ValueError(f"holder {holder!r} is not registered here with that epoch")
+            self._unbind(holder)
             self.arena.release_holder(holder)
-            self._registered = {entry for entry in self._registered if entry[0] != holder}
+
+    def _expire(self) -> None:
+        """Drop the holders whose lease ran out (the arena released their pins)."""
+        for holder in self.arena.expire():
+            self._unbind(holder)
+
+    def _unbind(self, holder: str) -> None:
+        self._holders.pop(holder, None)
+        self._registered = {entry for entry in self._registered if entry[0] != holder}
 
     # --- internals -----------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ class StoreState:
     _logs: dict[str, ChangeLog]  # namespace -> where its chunks are (CPU, STORAGE, OBJECT, PEER)
     layouts: dict[str, dict[str, object]]
     _registered: set[tuple[str, str]]  # (holder, namespace) registered with this store: who may purge
+    _holders: dict[str, str]  # live holder -> the epoch its registration returned (store epoch + token)
     counters: dict[str, int]
     io_meter: IoMeter  # bytes, chunks and seconds each tier moved (status, metrics)
     audit: ChunkAudit | None  # `tiers.cpu.audit_chunks`: commits' digests checked on promotion

@@ -135,7 +135,7 @@ def cascade(
     The clock stops when the store reports no I/O in flight; then the arena forgets the
     chunks, so only the tier under test holds them.
     """
-    store.register(HOLDER, namespace, chunk)
+    epoch = store.register(HOLDER, namespace, chunk).epoch
     wait_io(store, 60.0, "the store's start-up listing")  # manifests and first listings are not part of the figure
     pool = store.arena.pools[namespace]
     slots = pool.reserve(HOLDER, count)
@@ -149,14 +149,14 @@ def cascade(
     # Like an engine, which catches up on the change log at every step, the timed steps
     # carry the sequence number the engine has seen: replaying the whole log is not part
     # of a cascade or a promotion.
-    seq = store.step(StepRequest(HOLDER, namespace)).seq
+    seq = store.step(StepRequest(HOLDER, namespace, epoch=epoch)).seq
 
     def commit() -> None:
-        store.step(StepRequest(HOLDER, namespace, commit=list(zip(slots, keys)), known_seq=seq))
+        store.step(StepRequest(HOLDER, namespace, epoch=epoch, commit=list(zip(slots, keys)), known_seq=seq))
         wait_io(store, IO_WAIT_S, f"writing {count} chunks")
 
     seconds = timed(commit)
-    pool.drop_holder(HOLDER)
+    store.release_holder(HOLDER, epoch)  # its pins go (a holder is bound to one registration)
     pool.purge()
     return seconds, keys
 
@@ -164,17 +164,18 @@ def cascade(
 def promote(store: NodeStore, namespace: str, keys: list[bytes]) -> float:
     """Seconds to promote chunks only the tier holds back into the arena, which forgets them after."""
     pool = store.arena.pools[namespace]
-    seq = store.step(StepRequest(HOLDER, namespace)).seq
+    epoch = store.register(HOLDER, namespace, pool.geometry.slot_bytes).epoch
+    seq = store.step(StepRequest(HOLDER, namespace, epoch=epoch)).seq
     before = store.stats()["promotions"]
 
     def pin() -> None:
-        reply = store.step(StepRequest(HOLDER, namespace, pin=keys, known_seq=seq))
+        reply = store.step(StepRequest(HOLDER, namespace, epoch=epoch, pin=keys, known_seq=seq))
         if len(reply.pending) != len(keys):
             raise BenchError(f"only {len(reply.pending)} of {len(keys)} chunks could be promoted from the tier")
         wait_io(store, IO_WAIT_S, f"promoting {len(keys)} chunks")
 
     seconds = timed(pin)
-    pool.drop_holder(HOLDER)
+    store.release_holder(HOLDER, epoch)
     pool.purge()
     promoted = store.stats()["promotions"] - before
     if promoted != len(keys):

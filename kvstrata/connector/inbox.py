@@ -51,14 +51,15 @@ class ReplyInbox(ManagerState):
             sent_at = self._clock()
             try:
                 registration = self._client.register(
-                    self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe(), True
+                    self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe(), True, self._thread_epoch
                 )
             except Exception as exc:  # noqa: BLE001
                 self._receive_failure(request, exc, sent_at)
                 return
             self._thread_epoch = registration.epoch
             logger.warning(
-                "kvstrata manager %s: node store restarted (epoch %s); dropping old pins and slots",
+                "kvstrata manager %s: node store restarted or this engine's lease ran out (now epoch %s); "
+                "dropping old pins and slots",
                 self.holder,
                 registration.epoch,
             )

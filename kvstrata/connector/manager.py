@@ -149,7 +149,7 @@ class StrataManager(PinsAndSlots):
         """Give every pin and reserved slot back at once instead of waiting for the lease."""
         self._channel.close()
         try:
-            self._client.release_holder(self.holder)
+            self._client.release_holder(self.holder, self._thread_epoch)
         except Exception as exc:  # noqa: BLE001 - the lease frees them anyway
             logger.warning("kvstrata manager %s: could not release its slots at shutdown: %s", self.holder, exc)
 

@@ -58,7 +58,7 @@ def calls(names: st.SearchStrategy[str]) -> st.SearchStrategy[tuple]:
             ),
         ),
         st.tuples(st.just("export_chunks"), names, st.lists(keys, max_size=4)),
-        st.tuples(st.just("release_holder"), names),
+        st.tuples(st.just("release_holder"), names, names),
         st.tuples(st.just("purge"), names),
         st.tuples(st.just("keys"), names),
     )
@@ -74,13 +74,15 @@ def store(tmp_path):
     raw = store_config(tmp_path, capacity=64 * SLOT, disk=disk)
     raw["tiers"]["object"] = {"url": f"file://{tmp_path}/bucket/kv", "write_policy": "write_through"}
     node_store = NodeStore(load_config(raw), "node0")
+    owner_epoch = ""
     for n, namespace in enumerate(PROTECTED):
-        node_store.register("owner", namespace, SLOT)
+        epoch = node_store.register("owner", namespace, SLOT, epoch=owner_epoch).epoch
+        owner_epoch = epoch
         pool = node_store.arena.pools[namespace]
         slots = pool.reserve("owner", 4)
         for slot in slots:
             pool.view(slot)[:] = np.random.default_rng(slot).integers(0, 256, SLOT, dtype=np.uint8)
-        node_store.step(StepRequest("owner", namespace, commit=[(slot, key(10 * n + i)) for i, slot in enumerate(slots)]))
+        node_store.step(StepRequest("owner", namespace, epoch=epoch, commit=[(slot, key(10 * n + i)) for i, slot in enumerate(slots)]))
     assert node_store.wait_io(30)
     yield node_store
     node_store.close()
@@ -105,6 +107,10 @@ def test_any_control_call_works_or_names_its_bad_value_and_never_deletes_another
     for name, *args in sequence:
         values = list(args) if name != "step" else [args[0].holder, args[0].namespace]
         values += [value for arg in args if isinstance(arg, dict) for value in arg.values()]
+        if name == "step" and data.draw(st.booleans()):
+            # Half the steps come from the holder's own engine (its epoch, adversarial
+            # content); the rest are refused for their epoch alone.
+            args[0].epoch = store._holders.get(args[0].holder, "")
         try:
             getattr(store, name)(*args)
         except ValueError as exc:

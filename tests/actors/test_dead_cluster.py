@@ -106,8 +106,8 @@ def test_a_sigkilled_cluster_leaves_nothing_the_next_store_does_not_reclaim(plac
     # A store of another simulated node, alive beside the doomed cluster, in the same shm_dir.
     live = NodeStore(store_config(shm, 8 * SLOT, segment_size=4 * SLOT), node_id="live-node-0000")
     try:
-        live.register("engine", "live-ns", SLOT)
-        assert live.step(_reserve("engine", "live-ns", live.arena.epoch, 4)).reserved
+        epoch = live.register("engine", "live-ns", SLOT).epoch
+        assert live.step(_reserve("engine", "live-ns", epoch, 4)).reserved
         live_segments = set(shm.glob("kvstrata-live-node-0*"))
         assert live_segments
 
@@ -164,8 +164,8 @@ def test_kvstrata_up_and_down_reclaim_at_once_and_spare_a_live_store(command, ex
         dead.wait(timeout=30)
     live = NodeStore(config, node_id="live-node-0000")
     try:
-        live.register("engine", "live-ns", SLOT)
-        assert live.step(_reserve("engine", "live-ns", live.arena.epoch, 2)).reserved
+        epoch = live.register("engine", "live-ns", SLOT).epoch
+        assert live.step(_reserve("engine", "live-ns", epoch, 2)).reserved
         live_segments = set(shm.glob("kvstrata-live-node-0*"))
         path = tmp_path / "config.yaml"
         path.write_text(json.dumps(config))

@@ -169,10 +169,10 @@ def test_cli_status_purge_and_down(cluster, tmp_path, capsys):
         assert main(["status", "--json"]) == 0
         status = capsys.readouterr().out
         assert '"epoch"' in status and '"capacity"' in status
-        ray.get(handle.register.remote("engine", "ns", SLOT), timeout=30)
-        slots = ray.get(handle.step.remote(StepRequest("engine", "ns", reserve=2)), timeout=30).reserved
-        ray.get(handle.step.remote(StepRequest("engine", "ns", commit=[(slots[0], key(1)), (slots[1], key(2))])), timeout=30)
-        ray.get(handle.release_holder.remote("engine"), timeout=30)
+        epoch = ray.get(handle.register.remote("engine", "ns", SLOT), timeout=30).epoch
+        slots = ray.get(handle.step.remote(StepRequest("engine", "ns", epoch=epoch, reserve=2)), timeout=30).reserved
+        ray.get(handle.step.remote(StepRequest("engine", "ns", epoch=epoch, commit=[(slots[0], key(1)), (slots[1], key(2))])), timeout=30)
+        ray.get(handle.release_holder.remote("engine", epoch), timeout=30)
         segments = list(tmp_path.glob("kvstrata-*"))
         assert segments, "the store made no segment in its shm_dir"
         assert main(["purge", "--namespace", "ns"]) == 0

@@ -70,8 +70,7 @@ def value(samples, name: str, **labels: str) -> float | None:
 
 def test_store_metrics_reach_the_ray_metrics_port_with_the_store_figures(store, metrics_port):
     handle, cfg = store
-    ray.get(handle.register.remote("probe", NAMESPACE, SLOT, {"model": "tiny-llama"}))
-    probe = ChunkProbe("probe", NAMESPACE, SLOT)
+    probe = ChunkProbe("probe", NAMESPACE, SLOT, {"model": "tiny-llama"})
     keys = [key(i) for i in range(4)]
     written = probe.store_chunks(keys)
     loaded = probe.load_chunks(keys)
@@ -115,8 +114,7 @@ def test_status_prints_tables_of_tiers_namespaces_and_engines(store, capsys):
     from kvstrata.cli import main
 
     handle, _ = store
-    ray.get(handle.register.remote("engine-a", NAMESPACE, SLOT, {"model": "tiny-llama"}))
-    probe = ChunkProbe("engine-a", NAMESPACE, SLOT)
+    probe = ChunkProbe("engine-a", NAMESPACE, SLOT, {"model": "tiny-llama"})
     try:
         probe.store_chunks([key(7), key(8)])
         ray.get(probe.store.step.remote(_pin_request("engine-a", probe, [key(7)])))

@@ -280,7 +280,7 @@ def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monke
             return real(namespace, items)
 
         monkeypatch.setattr(store.disk, name, counted)
-    store.register("bulk", "ns", SLOT)
+    epoch = store.register("bulk", "ns", SLOT).epoch
     pool = store.arena.pools["ns"]
     slots = pool.reserve("bulk", 20)
     keys = [key(i) for i in range(20)]
@@ -288,11 +288,11 @@ def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monke
     for i, (k, slot) in enumerate(zip(keys, slots)):
         data[k] = np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8)
         pool.view(slot)[:] = data[k]
-    store.step(StepRequest("bulk", "ns", commit=list(zip(slots, keys))))
+    store.step(StepRequest("bulk", "ns", epoch=epoch, commit=list(zip(slots, keys))))
     assert store.wait_io(10)
     pool.drop_holder("bulk")
     pool.purge()  # only the disk has them now
-    reply = store.step(StepRequest("bulk", "ns", pin=keys))
+    reply = store.step(StepRequest("bulk", "ns", epoch=epoch, pin=keys))
     assert len(reply.pending) == 20
     assert store.wait_io(10)
 
@@ -311,13 +311,13 @@ def test_closing_the_store_lets_promotions_being_verified_finish(env, monkeypatc
     store waits for them before it takes the lock they need (no deadlock, no lost chunk)."""
     make_store, _ = env
     store, _ = make_store(slots=8)
-    store.register("bulk", "ns", SLOT)
+    epoch = store.register("bulk", "ns", SLOT).epoch
     pool = store.arena.pools["ns"]
     slots = pool.reserve("bulk", 4)
     keys = [key(i) for i in range(4)]
     for i, slot in enumerate(slots):
         pool.view(slot)[:] = i + 1
-    store.step(StepRequest("bulk", "ns", commit=list(zip(slots, keys))))
+    store.step(StepRequest("bulk", "ns", epoch=epoch, commit=list(zip(slots, keys))))
     assert store.wait_io(10)
     pool.drop_holder("bulk")
     pool.purge()
@@ -334,7 +334,7 @@ def test_closing_the_store_lets_promotions_being_verified_finish(env, monkeypatc
 
     monkeypatch.setattr(disk_reads, "payload_hasher", held)
     monkeypatch.setattr(store.disk, "close", close_disk)
-    assert len(store.step(StepRequest("bulk", "ns", pin=keys)).pending) == 4
+    assert len(store.step(StepRequest("bulk", "ns", epoch=epoch, pin=keys)).pending) == 4
     closer = threading.Thread(target=store.close)
     closer.start()
     assert closing.wait(10)  # the store is closing its disk tier with the reads unverified

@@ -587,3 +587,21 @@ def test_a_failed_calls_unpin_does_not_undo_a_later_hold_of_the_same_slot(store_
     reader.on_request_finished(ctx("b"))
     step(reader)
     assert "reader" not in pool._pins.get(slot, ())
+
+
+def test_an_engine_whose_lease_ran_out_registers_again_and_drops_its_old_pins(new_store, clock):
+    """A live engine silent for a whole lease lost its pins on the store: its next call is
+    refused for its epoch, and it registers again instead of trusting pins it no longer has."""
+    store, cfg = new_store(lease_seconds=10)
+    manager = make_manager(store, cfg, holder="sleepy")
+    store_keys(manager, [key(1)])
+    pool = store.arena.pools[manager.namespace]
+    first = manager._epoch
+    clock.advance(11)
+    step(manager)  # refused: the reply's epoch is not its own
+    assert manager._epoch != first and not manager._pinned
+    assert pool.stats()["pinned"] == 0
+    assert manager.lookup(key(1), ctx("again")) is HIT  # resident: answered from the new mirror
+    manager.prepare_load([key(1)], ctx("again"))
+    step(manager)
+    assert pool.stats()["pinned"] == 1  # held under the new registration

@@ -72,12 +72,12 @@ def engine(tmp_path, monkeypatch):
 def held_elsewhere(store, manager, peer_store, chunks, **peer):
     """`chunks` committed in the peer's arena, and the directory's word that it holds them."""
     namespace = manager.namespace
-    peer_store.register("peer-engine", namespace, SLOT)
+    epoch = peer_store.register("peer-engine", namespace, SLOT).epoch
     pool = peer_store.arena.pools[namespace]
     slots = pool.reserve("peer-engine", len(chunks))
     for slot, data in zip(slots, chunks.values()):
         pool.view(slot)[:] = data
-    peer_store.step(StepRequest("peer-engine", namespace, commit=list(zip(slots, chunks))))
+    peer_store.step(StepRequest("peer-engine", namespace, epoch=epoch, commit=list(zip(slots, chunks))))
     handle = InProcessPeer(peer_store, **peer)
     store.peers._stores[PEER_NODE] = handle
     changes = [(k, holder_label(PEER_NODE, CPU), True) for k in chunks]
