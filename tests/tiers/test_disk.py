@@ -223,7 +223,13 @@ def test_a_batch_takes_free_records_then_new_ones_then_evicts_only_the_shortfall
         assert tier.read_into(NS, key(i), out) and np.array_equal(out, chunk(i)), i
 
 
-def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers, monkeypatch):
+def test_disk_full_pauses_admission_keeps_reads_and_comes_back(tmp_path, tiers, monkeypatch):
+    from types import SimpleNamespace
+
+    from kvstrata.tiers.disk import tier as tier_module
+
+    now = [1000.0]
+    monkeypatch.setattr(tier_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     monkeypatch.setattr(disk_index, "GROW_MIN_BYTES", HEADER_BYTES + CHUNK)  # grow one record at a time
     tier = open_tier(tiers, tmp_path, capacity=1 << 30, direct_io=False)
     assert tier.write(NS, key(0), chunk(0))
@@ -238,10 +244,15 @@ def test_disk_full_stops_admission_keeps_reads(tmp_path, tiers, monkeypatch):
         signal.signal(signal.SIGXFSZ, old_handler)
     stats = tier.stats()
     assert stats["write_errors"] == 1 and stats["admitting"] is False
-    assert not tier.write(NS, key(2), chunk(2))  # no more attempts
+    assert not tier.write(NS, key(2), chunk(2))  # paused: not even attempted
     assert tier.stats()["dropped_not_admitting"] == 1
     out = np.zeros(CHUNK, dtype=np.uint8)
     assert tier.read_into(NS, key(0), out) and np.array_equal(out, chunk(0))
+    now[0] += 1.0  # the first retry is a second after the failure; the disk has room again
+    assert tier.write(NS, key(2), chunk(2))
+    stats = tier.stats()
+    assert stats["admitting"] is True and stats["write_recoveries"] == 1 and stats["write_errors"] == 1
+    assert tier.read_into(NS, key(2), out) and np.array_equal(out, chunk(2))
 
 
 def test_unwritable_path_is_a_clear_error(tmp_path):

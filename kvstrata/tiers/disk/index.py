@@ -101,6 +101,7 @@ class SlabIndex:
             "write_errors": 0,
             "read_errors": 0,
             "dropped_not_admitting": 0,
+            "write_recoveries": 0,  # failed writes, then a batch that worked: admitting again
             "damaged_files": 0,  # set aside into damaged/ at start-up (damaged.py)
             "damaged_records": 0,  # headers found unreadable at start-up: free records now
         }

@@ -21,6 +21,7 @@ import fcntl
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +40,8 @@ from kvstrata.tiers.private_files import UnsafeFileError, open_private
 from kvstrata.tiers.records import HEADER_BYTES
 
 logger = logging.getLogger(__package__)  # the tier logs under one name, "kvstrata.tiers.disk"
+
+WRITE_RETRY_MAX_S = 30.0  # a tier whose writes fail tries again at least this often
 
 
 class DiskTierError(RuntimeError):
@@ -76,6 +79,11 @@ class DiskTier(SlabIndex):
         self._digests = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="kvstrata-disk-digest")
         self._spare = _SpareBuffers()
         self.admitting = True
+        # After a failed write the tier stops admitting, then tries one batch again after
+        # `_retry_s` (doubling while writes keep failing, up to WRITE_RETRY_MAX_S): a disk
+        # that was full or read-only for a while comes back without a store restart.
+        self._retry_s = 0.0
+        self._retry_at = 0.0
         super().__init__(root, capacity, direct_io, eviction_policy, on_change, quotas)  # recovers what is on disk
         self.counters["lock_taken_over"] = int(previous_holder is not None)
         if previous_holder:
@@ -139,7 +147,7 @@ class DiskTier(SlabIndex):
         todo: list[tuple[int, int]] = []  # (item index, record)
         evicted: list[bytes] = []
         with self._lock:
-            if not self.admitting:
+            if not self.admitting and time.monotonic() < self._retry_at:
                 self.counters["dropped_not_admitting"] += len(items)
                 return stored
             slab = self._slab(namespace, payloads[0].nbytes) if items else None
@@ -195,13 +203,19 @@ class DiskTier(SlabIndex):
             self.counters["stored"] += len(todo) - len(failed)
             if error is not None:
                 self.counters["write_errors"] += 1
+                self._retry_s = min(WRITE_RETRY_MAX_S, max(1.0, 2 * self._retry_s))
+                self._retry_at = time.monotonic() + self._retry_s
                 if self.admitting:
                     self.admitting = False
                     logger.error(
-                        "kvstrata disk tier: writing %s failed (%s); no longer admitting chunks, still serving reads",
-                        slab.path,
-                        error.strerror or error,
-                    )
+                        "kvstrata disk tier: writing %s failed (%s); not admitting chunks (trying again in "
+                        "%.0fs, up to every %.0fs), still serving reads",
+                        slab.path, error.strerror or error, self._retry_s, WRITE_RETRY_MAX_S,
+                    )  # fmt: skip
+            elif not self.admitting and len(todo) > len(failed):
+                self.admitting, self._retry_s = True, 0.0
+                self.counters["write_recoveries"] += 1
+                logger.warning("kvstrata disk tier: writing %s works again; admitting chunks", slab.path)
         return stored
 
     def read_into(self, namespace: str, key: bytes, out: np.ndarray) -> bool:
