@@ -67,8 +67,8 @@ def test_a_holder_is_bound_to_the_engine_that_registered_it_until_its_lease_ends
         with pytest.raises(ValueError, match="'engine' is already registered by another engine"):
             store.register("engine", "ns", slot)
         for epoch in ("", store.arena.epoch, first + "x"):
-            reply = store.step(StepRequest("engine", "ns", epoch=epoch, unpin=slots, purge=True))
-            assert reply.epoch != first and reply.rejected and not reply.reserved
+            reply = store.step(StepRequest("engine", "ns", epoch=epoch, unpin=slots, purge=True, reserve=2))
+            assert reply.rejected and not reply.reserved and reply.seq == 0
         with pytest.raises(ValueError, match="'engine' is not registered here"):
             store.release_holder("engine", "")
         assert pool.stats()["pinned"] == 2 and sorted(store.keys("ns")) == sorted([key(1), key(2)])

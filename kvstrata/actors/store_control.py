@@ -125,11 +125,14 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             if pool is None or bound is None or request.epoch != bound:
                 # A restarted store forgot the namespace, or the holder's lease ran out (its
                 # pins are gone): an epoch other than its own tells the engine to register
-                # again and drop what it believed.
+                # again and drop what it believed. A bound holder's request with another
+                # epoch (sent before it registered again, or not its engine's) is answered
+                # with the holder's epoch: nothing to redo, and nothing applied.
                 if pool is not None and bound is not None:
                     self.counters["holders_refused"] += 1
                 why = "unknown namespace" if pool is None else f"holder {request.holder} not registered with epoch {request.epoch!r} in"
-                return StepReply(epoch=self.arena.epoch, seq=0, rejected=[f"{why} {request.namespace}"])
+                epoch = bound if pool is not None and bound is not None else self.arena.epoch
+                return StepReply(epoch=epoch, seq=0, rejected=[f"{why} {request.namespace}"])
             namespace = request.namespace
             self.arena.renew(request.holder)
             # Holds before anything else, and before the acknowledgement they guard.
