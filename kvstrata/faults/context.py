@@ -16,7 +16,11 @@ from kvstrata.tiers.disk import HEADER_BYTES
 
 SLOT = 64 * 1024  # the tiny model's KV per 32-token block (2 layers, 4 heads of 32, float32)
 ARENA_ALL = 160  # slots: every chunk of a round fits
-ARENA_SMALL = 24  # slots: most of a round comes back from the tier under test
+ARENA_SMALL = 48  # slots: most of a round comes back from the tier under test
+# Prompts per batch with ARENA_SMALL: a batch's 30 chunks and an engine's reserve (12, a
+# quarter of the arena) fit, so every chunk a batch asks for can be promoted and pinned at
+# once; a round's 120 chunks (2.5 arenas) cannot, so each batch comes back from the tier.
+BATCH_SMALL = 3
 DISK_SLOTS = 320
 
 
@@ -86,7 +90,8 @@ class RowContext:
     # -- tier configs -------------------------------------------------------------------
 
     def arena(self, slots: int = ARENA_ALL) -> dict[str, Any]:
-        return {"capacity": slots * SLOT, "segment_size": 8 * SLOT, "shm_dir": str(self.shm_dir)}
+        # The audit refuses, and counts, any promoted chunk whose bytes no commit had.
+        return {"capacity": slots * SLOT, "segment_size": 8 * SLOT, "shm_dir": str(self.shm_dir), "audit_chunks": True}
 
     def engine(self, **overrides: Any) -> dict[str, Any]:
         # No tolerated view age: background writes finish after the engine last heard from

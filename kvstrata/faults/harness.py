@@ -32,7 +32,16 @@ from typing import Any
 from kvstrata.faults import load
 from kvstrata.faults.context import RowContext
 from kvstrata.faults.probes import ProcessSample, directory_files, disk_tier_bytes, growth_problems, sample_process
-from kvstrata.faults.rows import CONTROL_OF, CONTROLS, Fault, store_pid, tier_config, victim_script, with_controls
+from kvstrata.faults.rows import (
+    CONTROL_OF,
+    CONTROLS,
+    Fault,
+    batch_size,
+    store_pid,
+    tier_config,
+    victim_script,
+    with_controls,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,7 @@ class RowResult:
     completed: int = 0
     failed: int = 0
     changed: int = 0
+    wrong_bytes: int = 0  # promotions the chunk audit refused: bytes no commit of their key had
     injected_mid_round: bool | None = None
     recovery_s: float | None = None
     leaks: list[str] = field(default_factory=list)
@@ -67,7 +77,7 @@ class RowResult:
     def ok(self) -> bool:
         if self.skipped:
             return True
-        return not (self.failed or self.changed or self.leaks or self.error) and self.recovery_s is not None
+        return not (self.failed or self.changed or self.wrong_bytes or self.leaks or self.error) and self.recovery_s is not None
 
     def add(self, rounds: list[load.Round], reference: list[list[int]]) -> None:
         for number, round_ in enumerate(rounds, 1):
@@ -119,6 +129,17 @@ def _store_sample():
     return None
 
 
+def _store_audit() -> dict[str, int] | None:
+    """The chunk audit's counters of the store now running (since its last start)."""
+    import ray
+
+    from kvstrata.actors.client import get_node_store
+
+    with contextlib.suppress(Exception):
+        return ray.get(get_node_store().stats.remote(), timeout=30)["audit"]
+    return None
+
+
 def _engines_in_report() -> dict[str, Any]:
     import ray
 
@@ -127,14 +148,15 @@ def _engines_in_report() -> dict[str, Any]:
     return ray.get(get_node_store().stats.remote(), timeout=30)["report"]["engines"]
 
 
-def _round(llms: list, batch: list[str], fault: Fault | None, ctx: RowContext, result: RowResult) -> list[load.Round]:
-    """One round on every engine at once; `fault` injected INJECT_DELAY_S into it."""
+def _round(llms: list, batches: list[list[str]], fault: Fault | None, ctx: RowContext, result: RowResult) -> list[load.Round]:
+    """One round (its batches in turn) on every engine at once; `fault` injected
+    INJECT_DELAY_S into it."""
     rounds: list[load.Round | None] = [None] * len(llms)
     started = threading.Barrier(len(llms) + 1)
 
     def drive(index: int) -> None:
         started.wait(timeout=60)
-        rounds[index] = load.run_round(llms[index], batch)
+        rounds[index] = load.run_batches(llms[index], batches)
 
     threads = [threading.Thread(target=drive, args=(i,), name=f"fault-load-{i}") for i in range(len(llms))]
     for thread in threads:
@@ -216,13 +238,15 @@ def run_row(
         if fault.tiers == "engine-kill":
             _start_victim(ctx, model, config)
             fault = Fault(fault.name, fault.summary, fault.tiers, fault.during, inject=_kill_victim_recording)
-        batch = load.prompts(PROMPTS)
-        rounds = _round(llms, batch, fault if fault.during == "stores" else None, ctx, result)
+        prompts = load.prompts(PROMPTS)
+        size = batch_size(fault) or PROMPTS
+        batches = [prompts[i : i + size] for i in range(0, PROMPTS, size)]
+        rounds = _round(llms, batches, fault if fault.during == "stores" else None, ctx, result)
         settle()
         before = _store_sample()
         if fault.during == "between":
             fault.inject(ctx)
-        rounds += _round(llms, batch, fault if fault.during == "loads" else None, ctx, result)
+        rounds += _round(llms, batches, fault if fault.during == "loads" else None, ctx, result)
         fault.lift(ctx)
         lifted = time.monotonic()
         if fault.name in CONTROLS:
@@ -232,20 +256,27 @@ def run_row(
             before = _store_sample() or before
             for _ in range(CONTROL_ROUNDS):
                 settle()
-                rounds += _round(llms, batch, None, ctx, result)
+                rounds += _round(llms, batches, None, ctx, result)
             result.recovery_s = 0.0
             result.steady_hit = round(min(r.hit_fraction for r in rounds[-CONTROL_ROUNDS * len(llms) :]), 3)
         while result.recovery_s is None and time.monotonic() - lifted < RECOVERY_LIMIT_S:
             settle()
-            recovery = _round(llms, batch, None, ctx, result)
+            recovery = _round(llms, batches, None, ctx, result)
             rounds += recovery
             if all(r.hit_fraction >= result.target_hit for r in recovery) and _victim_gone(ctx):
                 result.recovery_s = round(time.monotonic() - lifted, 1)
         while len(rounds) < min_rounds * len(llms):
-            rounds += _round(llms, batch, None, ctx, result)
+            rounds += _round(llms, batches, None, ctx, result)
         result.hits = [round(r.hit_fraction, 3) for r in rounds]
         result.add(rounds, reference)
         settle()
+        audit = _store_audit()
+        if audit:
+            result.wrong_bytes = audit["audit_mismatches"]
+            result.notes.append(
+                f"audit: {audit['audit_promotions_checked']} promotions checked, {audit['audit_mismatches']} wrong, "
+                f"{audit['audit_recommits_differing']} keys recommitted with other bytes"
+            )
         after = _store_sample()
         if after is not None:
             result.store_after = after.as_dict()

@@ -83,6 +83,27 @@ def run_round(llm, batch: list[str], reset: bool = True) -> Round:
     return result
 
 
+def run_batches(llm, batches: list[list[str]]) -> Round:
+    """`run_round` for each batch in turn (prefix cache reset before each), as one Round
+    whose requests are in the order of the concatenated batches. A failed batch does not
+    stop the ones after it."""
+    merged = Round(sent=0)
+    for batch in batches:
+        part = run_round(llm, batch)
+        merged.sent += part.sent
+        merged.completed += part.completed
+        merged.failed += part.failed
+        merged.error = merged.error or part.error
+        # A failed batch returns no tokens: keep the positions aligned with the prompts.
+        merged.token_ids += part.token_ids or [[] for _ in batch]
+        merged.cached_per_request += part.cached_per_request or [0 for _ in batch]
+        merged.cached_tokens += part.cached_tokens
+        merged.expected_hit_tokens += part.expected_hit_tokens
+        merged.seconds += part.seconds
+    return merged
+
+
 def changed_outputs(reference: list[list[int]], got: Round) -> list[int]:
-    """The requests (indices into the batch) that produced other tokens than the fault-free reference."""
-    return [i for i, (ref, tokens) in enumerate(zip(reference, got.token_ids)) if ref != tokens]
+    """The requests (indices into the batch) that produced other tokens than the fault-free
+    reference (a failed batch's requests, which produced none, are counted as failed)."""
+    return [i for i, (ref, tokens) in enumerate(zip(reference, got.token_ids)) if tokens and ref != tokens]

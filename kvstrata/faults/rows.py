@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstrata.faults import damage
-from kvstrata.faults.context import ARENA_ALL, SLOT, RowContext, can_mount
+from kvstrata.faults.context import ARENA_ALL, BATCH_SMALL, SLOT, RowContext, can_mount
 
 
 def _noop(ctx: RowContext) -> None:
@@ -180,6 +180,12 @@ def by_name(names: list[str] | None) -> list[Fault]:
     if unknown:
         raise SystemExit(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(known)}")
     return [known[name] for name in names]
+
+
+def batch_size(fault: Fault) -> int | None:
+    """Prompts per batch of a round: the small-arena configs (disk, object) run a round as
+    batches that fit their arena; the others send the whole round at once (None)."""
+    return BATCH_SMALL if fault.tiers in ("disk", "disk-tmpfs", "object") else None
 
 
 def tier_config(fault: Fault, ctx: RowContext) -> dict:
