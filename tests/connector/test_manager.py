@@ -368,16 +368,22 @@ def test_store_failure_turns_retries_into_misses_and_recovers(store_and_config, 
     assert reader.lookup(key(2), ctx("later")) is HIT
 
 
+def reader_of_a_stored_chunk(store, cfg, client):
+    """key(1) stored by another engine, and a reader through `client`: (reader, pool, slot)."""
+    writer = make_manager(store, cfg, holder="writer")
+    store_keys(writer, [key(1)])
+    step(writer)
+    reader = make_manager(store, cfg, holder="reader", client=client)
+    pool = store.arena.pools[reader.namespace]
+    return reader, pool, pool.lookup(key(1))
+
+
 def test_the_hold_of_a_hit_whose_call_failed_reaches_the_store_before_its_acknowledgement(store_and_config):
     """A HIT answered from the mirror whose control call fails: its hold goes out again with
     the next call, so the store pins the slot before it learns the engine saw anything newer."""
     store, cfg = store_and_config
-    writer = make_manager(store, cfg, holder="writer")
-    store_keys(writer, [key(1)])
-    step(writer)
     client = FlakyClient(store)
-    reader = make_manager(store, cfg, holder="reader", client=client)
-    pool = store.arena.pools[reader.namespace]
+    reader, pool, _ = reader_of_a_stored_chunk(store, cfg, client)
     assert reader.lookup(key(1), ctx()) is HIT
     reader.prepare_load([key(1)], ctx())
     client.down = True
@@ -525,18 +531,12 @@ def test_replies_are_not_applied_between_a_hit_and_its_prepare_load(store_and_co
 
 
 def test_a_slot_released_and_hit_again_while_the_store_is_busy_stays_pinned(store_and_config):
-    """A pin released in one step and its chunk hit again from the mirror in the next,
-    while an earlier call is still in flight: the two requests merge into one that holds
-    and unpins the same slot, and the store applies holds first. The slot must stay pinned
-    under the second HIT (the fault matrix measured a promotion written over it, #29)."""
+    """A pin released, then its chunk hit again from the mirror while a call is in flight:
+    the requests merge into one that holds and unpins the slot (holds apply first). The slot
+    must stay pinned under the second HIT (#29 measured a promotion written over it)."""
     store, cfg = store_and_config
-    writer = make_manager(store, cfg, holder="writer")
-    store_keys(writer, [key(1)])
-    step(writer)  # the writer's own pin goes back
     client = HangingClient(store)
-    reader = make_manager(store, cfg, holder="reader", client=client)
-    pool = store.arena.pools[reader.namespace]
-    slot = pool.lookup(key(1))
+    reader, pool, slot = reader_of_a_stored_chunk(store, cfg, client)
     assert reader.lookup(key(1), ctx("a")) is HIT  # from the mirror: held with the next call
     step(reader)
     assert "reader" in pool._pins.get(slot, ())
@@ -559,16 +559,10 @@ def test_a_slot_released_and_hit_again_while_the_store_is_busy_stays_pinned(stor
 
 
 def test_a_failed_calls_unpin_does_not_undo_a_later_hold_of_the_same_slot(store_and_config):
-    """A failed call's unpins are sent again with the next call, which may carry a new hold
-    of the same slot: the slot stays pinned under the new HIT."""
+    """A failed call's unpins go again with the next call and its new hold of the slot."""
     store, cfg = store_and_config
-    writer = make_manager(store, cfg, holder="writer")
-    store_keys(writer, [key(1)])
-    step(writer)
     client = FlakyClient(store)
-    reader = make_manager(store, cfg, holder="reader", client=client)
-    pool = store.arena.pools[reader.namespace]
-    slot = pool.lookup(key(1))
+    reader, pool, slot = reader_of_a_stored_chunk(store, cfg, client)
     assert reader.lookup(key(1), ctx("a")) is HIT
     reader.prepare_load([key(1)], ctx("a"))
     step(reader)  # the hold reaches the store
@@ -590,8 +584,7 @@ def test_a_failed_calls_unpin_does_not_undo_a_later_hold_of_the_same_slot(store_
 
 
 def test_an_engine_whose_lease_ran_out_registers_again_and_drops_its_old_pins(new_store, clock):
-    """A live engine silent for a whole lease lost its pins on the store: its next call is
-    refused for its epoch, and it registers again instead of trusting pins it no longer has."""
+    """Silent for a whole lease, it lost its pins: its next call is refused, it starts over."""
     store, cfg = new_store(lease_seconds=10)
     manager = make_manager(store, cfg, holder="sleepy")
     store_keys(manager, [key(1)])
