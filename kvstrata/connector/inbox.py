@@ -31,6 +31,8 @@ from kvstrata.connector.compat import make_event
 from kvstrata.connector.manager_state import ManagerState, Pin
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 
+MISSED_PRUNE_AT = 4096  # recent misses kept before the expired ones are dropped
+
 logger = logging.getLogger(__name__)
 
 
@@ -171,11 +173,18 @@ class ReplyInbox(ManagerState):
                 held.requests |= self._pin_waiters.pop(key, set())
                 if held.slot != slot:
                     self._out_unpin.append(slot)
+        now = self._clock()
+        if len(self._missed_until) > MISSED_PRUNE_AT:
+            self._missed_until = {key: until for key, until in self._missed_until.items() if until > now}
         for key in reply.missing:
             if key in self._pin_waiters:
                 del self._pin_waiters[key]
                 self._counters["pins_missed"] += 1
-            self._mirror.pop(key, None)
+            # A miss for a while, then asked for again. Its tiers stay as the store's log
+            # says: forgetting them here was never corrected (the log sends changes only),
+            # so a chunk the bucket still held was neither loaded nor stored again once the
+            # tier came back (measured: the object-slow row, #29).
+            self._missed_until[key] = now + self._lookup_wait
             self._resident.pop(key, None)
             self._promoted.pop(key, None)
         for key in reply.pending:
@@ -268,6 +277,7 @@ class ReplyInbox(ManagerState):
         self._out_release.clear()
         self._reset_pins.clear()
         self._to_hold.clear()  # the new store never handed out those slots
+        self._missed_until.clear()
         for key in [k for k, p in self._pinned.items() if not p.loads]:
             del self._pinned[key]
         for pin in self._pinned.values():

@@ -108,6 +108,9 @@ class ManagerState:
         # (key, slot) of HITs answered from the mirror, not yet sent (deferred slot reuse)
         self._to_hold: list[tuple[bytes, int]] = []
         self._promoted: dict[bytes, str] = {}  # pins that wait on a promotion -> the tier it reads
+        # Chunks the store could not bring when asked (a paused tier, no free slot): MISS
+        # until then, without asking again; their tiers stay as the store's log says.
+        self._missed_until: dict[bytes, float] = {}
         self._pinned: dict[bytes, Pin] = {}
         self._pin_waiters: dict[bytes, set[str]] = {}  # asked for, not yet answered
         self._to_pin: list[bytes] = []  # asked for, not yet sent

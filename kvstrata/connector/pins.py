@@ -115,6 +115,11 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             self._note_used(key, req_context)
             self._counters["hits_without_round_trip"] += 1
             return LookupResult.HIT
+        missed_until = self._missed_until.get(key)
+        if missed_until is not None:
+            if missed_until > now:
+                return LookupResult.MISS  # the store could not bring it a moment ago
+            del self._missed_until[key]
         if now - arrived > self._lookup_wait:
             # A slow promotion or a silent store must not hold the request: recompute.
             if key in self._pin_waiters or key in self._mirror or self._view_as_of < arrived - self._max_view_age:
@@ -260,6 +265,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             self._storing.clear()
             self._mirror.clear()
             self._resident.clear()
+            self._missed_until.clear()
             self._req_keys.clear()
             self._req_used.clear()
             self._purge_requested = True

@@ -267,3 +267,42 @@ def test_without_the_audit_a_valid_record_of_other_bytes_is_served(env):
     _push_out_of_the_arena(store, manager)
     loaded = load(store, manager, [key(1)])
     assert np.array_equal(loaded[key(1)], other) and store.stats()["audit"] is None
+
+
+def test_a_chunk_missed_while_the_bucket_was_down_is_loaded_once_it_is_back(env, clock):
+    """A pin the store answers `missing` (its object tier paused) is a miss for
+    `lookup_wait_seconds`, then asked for again. The engine must not forget that the bucket
+    holds the chunk: the store's log sends changes only, so that was never corrected, and
+    the fault matrix's object-slow row never got its hits back (#29)."""
+    new_store, new_manager = env
+    store, cfg = new_store("a", slots=8, reserve_slots=2, backoff_max_seconds=0.05)
+    writer = new_manager(store, cfg, holder="writer")
+    data = store_chunks(store, writer, [key(0)])  # write-through: in the bucket too
+    for i in range(1, 16):
+        store_chunks(store, writer, [key(i)], seed=i)
+    assert store.arena.pools[writer.namespace].lookup(key(0)) is None
+    reader = StrataManager(LocalStoreClient(store), layout(worker_bytes=SLOT), cfg, "reader", clock=clock)
+
+    def answer(req: str) -> LookupResult:
+        for _ in range(10):
+            result = reader.lookup(key(0), ctx(req))
+            if result is not RETRY:
+                return result
+            step(reader, store)
+            step(writer, store)  # engines acknowledge every step: evicted slots free up
+        return result
+
+    try:
+        assert reader.wait_idle(10)
+        step(reader, store)
+        switch = SwitchableFS.install(store.object)
+        switch.down = True
+        assert answer("r1") is MISS
+        assert reader.counters()["pins_missed"] >= 1
+        switch.down = False
+        clock.advance(cfg.engine.lookup_wait_seconds + 1)  # past the tier's pause and the miss
+        assert answer("r2") is HIT
+        spec = reader.prepare_load([key(0)], ctx("r2"))
+        assert np.array_equal(store.arena.pools[reader.namespace].view(int(spec.block_ids[0])), data[key(0)])
+    finally:
+        reader.shutdown()
