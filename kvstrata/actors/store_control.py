@@ -14,10 +14,11 @@ Invariants: `register` and `step` run under the store lock and first expire dead
 engines' leases; a registration binds its holder name to the engine that made it (the
 epoch it returns, the store's epoch and a token, must come with every step and the
 release; a second engine naming a live holder is refused), until the holder's lease
-runs out or it is released; a step for an unknown namespace, from an earlier store
-epoch or not bound to its holder is answered with the store's epoch and nothing else,
-so the engine registers again (and forgets every pin it had); a step's holds are taken
-before its acknowledgement (deferred slot reuse). The
+runs out or it is released; a step for an unknown namespace or from a holder that is
+not bound (a restarted store, an expired lease) is answered with the store's epoch and
+nothing else, so the engine registers again (and forgets every pin it had); a bound
+holder's step with another epoch is answered with the holder's epoch and nothing else;
+a step's holds are taken before its acknowledgement (deferred slot reuse). The
 parts behind a step -- copies of committed chunks (cascade.py), promotions
 (promotion.py), the object-store sweep (object_index.py) -- are started from here and
 run in the background: a step never waits for their I/O (a pin whose chunk is on its
@@ -122,17 +123,18 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             self._expire()
             pool = self.arena.pools.get(request.namespace)
             bound = self._holders.get(request.holder)
-            if pool is None or bound is None or request.epoch != bound:
+            if pool is None or bound is None:
                 # A restarted store forgot the namespace, or the holder's lease ran out (its
                 # pins are gone): an epoch other than its own tells the engine to register
-                # again and drop what it believed. A bound holder's request with another
-                # epoch (sent before it registered again, or not its engine's) is answered
-                # with the holder's epoch: nothing to redo, and nothing applied.
-                if pool is not None and bound is not None:
-                    self.counters["holders_refused"] += 1
-                why = "unknown namespace" if pool is None else f"holder {request.holder} not registered with epoch {request.epoch!r} in"
-                epoch = bound if pool is not None and bound is not None else self.arena.epoch
-                return StepReply(epoch=epoch, seq=0, rejected=[f"{why} {request.namespace}"])
+                # again and drop what it believed.
+                why = "unknown namespace" if pool is None else f"holder {request.holder} not registered in"
+                return StepReply(epoch=self.arena.epoch, seq=0, rejected=[f"{why} {request.namespace}"])
+            if request.epoch != bound:
+                # Sent before its engine registered again, or not by its engine: answered
+                # with the holder's own epoch (nothing to redo), and nothing applied.
+                self.counters["holders_refused"] += 1
+                rejected = f"holder {request.holder} not registered with epoch {request.epoch!r} in {request.namespace}"
+                return StepReply(epoch=bound, seq=0, rejected=[rejected])
             namespace = request.namespace
             self.arena.renew(request.holder)
             # Holds before anything else, and before the acknowledgement they guard.

@@ -129,23 +129,23 @@ def _store_sample():
     return None
 
 
-def _store_audit() -> dict[str, int] | None:
-    """The chunk audit's counters of the store now running (since its last start)."""
+def _store_stats() -> dict[str, Any]:
     import ray
 
     from kvstrata.actors.client import get_node_store
 
+    return ray.get(get_node_store().stats.remote(), timeout=30)
+
+
+def _store_audit() -> dict[str, int] | None:
+    """The chunk audit's counters of the store now running (since its last start)."""
     with contextlib.suppress(Exception):
-        return ray.get(get_node_store().stats.remote(), timeout=30)["audit"]
+        return _store_stats()["audit"]
     return None
 
 
 def _engines_in_report() -> dict[str, Any]:
-    import ray
-
-    from kvstrata.actors.client import get_node_store
-
-    return ray.get(get_node_store().stats.remote(), timeout=30)["report"]["engines"]
+    return _store_stats()["report"]["engines"]
 
 
 def _round(llms: list, batches: list[list[str]], fault: Fault | None, ctx: RowContext, result: RowResult) -> list[load.Round]:
