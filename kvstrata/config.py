@@ -184,7 +184,7 @@ class ObjectTierConfig(_Strict):
     capacity: ByteSize | None = Field(
         default=None,
         gt=0,
-        description="bytes of chunk objects under `url` at most; each sweep deletes the oldest-written beyond it",
+        description="bytes of chunk objects under `url` at most; each sweep deletes the oldest-written beyond it (with admission.store reuse, the least reused of the oldest 8 first)",
     )
     ttl_seconds: float | None = Field(
         default=None, gt=0, description="chunk objects written longer ago than this are deleted by the next sweep"

@@ -128,6 +128,7 @@ class NodeStore(StoreControl):
         self._object_io = None
         if self.config.tiers.object is not None:
             self.object = ObjectTier(self.config.tiers.object, clock=clock, quotas=self.config.tier_quotas("object"))
+            self.object.reuse_of = self._reuse.estimate if self._reuse is not None else None  # sweeps spare reused chunks
             # Batches queue here; each fans out over the tier's own max_concurrency threads.
             self._object_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-object-jobs")
         self.peers = None

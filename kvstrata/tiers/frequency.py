@@ -127,7 +127,8 @@ class ReuseCounter:
     def estimate(self, namespace: str, keys: Sequence[bytes]) -> list[int]:
         """Each key's estimated uses lately (counts nothing; 0 in a namespace never seen).
 
-        Read by the disk tier's eviction from its own threads: a count read while the
+        Read by the disk's and the object tier's evictions from their own threads (outside
+        the store lock): a count read while the
         store adds to the sketch is at worst one use stale, which only reorders ties.
         """
         sketch = self._sketches.get(namespace)

@@ -24,9 +24,10 @@ Invariants:
   server costs one timeout, not one per chunk. The first call after the pause probes it.
 - `capacity` and `ttl_seconds` are kept by sweeps (`scan` + `apply_limits`, run by every
   node store each `index_refresh_seconds`): expired objects go, then the oldest-written
-  until the rest fit. S3 keeps no access times, so this is FIFO by write time, not LRU;
+  until the rest fit (with `reuse_of` set, the least reused of the oldest few first:
+  `reuse_eviction`). S3 keeps no access times, so age is write time, not last use;
   between sweeps the bound can be exceeded by what was uploaded since the last one.
-  Several nodes sweeping at once delete the same objects: deletes are idempotent.
+  Deletes are idempotent; with reuse weighing, each node deletes what its own sketch deems least reused.
   A tenant's quota (`quotas:`) is kept the same way, on that tenant's objects only.
 - Credentials come from `storage_options` or the standard chain and are never logged:
   error texts are scrubbed of every credential value before they reach a log line.
@@ -60,6 +61,7 @@ from kvstrata.tiers.positions import Positions
 from kvstrata.tiers.private_files import open_private_filesystem
 from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.records import HEADER_BYTES, record_matches, seal_header
+from kvstrata.tiers.reuse_eviction import ReuseOf, least_reused_first
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +220,8 @@ class ObjectTier:
         }
         # namespace -> its full-attention groups (see `Positions`), as engines tell them
         self._anchor_groups: dict[str, frozenset[int]] = {}
+        # Set by the node store with a reuse sketch (admission.store: reuse): capacity sweeps spare reused chunks.
+        self.reuse_of: ReuseOf | None = None
 
     # --- names ---------------------------------------------------------------------------
 
@@ -309,7 +313,7 @@ class ObjectTier:
 
     def apply_limits(self, entries: list[ObjectEntry]) -> list[ObjectEntry]:
         """Delete what `ttl_seconds` and `capacity` rule out of a scan; the entries that stay."""
-        ttl, capacity = self.config.ttl_seconds, self.config.capacity
+        ttl, capacity, by_age = self.config.ttl_seconds, self.config.capacity, lambda e: e.written_at
         positions = _Positions(entries, self._anchor_groups)
         expired: list[ObjectEntry] = []
         if ttl is not None:
@@ -321,7 +325,7 @@ class ObjectTier:
         over: list[ObjectEntry] = []  # each tenant beyond its quota loses its own oldest, nobody else's
         if self.quotas.limits:
             self.quotas.learn({e.namespace for e in entries}, self._manifest_prefix)
-            over = self.quotas.over_quota(sorted(entries, key=lambda e: e.written_at), lambda e: e.namespace, lambda e: e.size)
+            over = self.quotas.over_quota(sorted(entries, key=by_age), lambda e: e.namespace, lambda e: e.size)
             gone |= {e.path for e in over}
             dependents += [d for e in over for d in positions.take(e) if d.path not in gone]
             gone |= {d.path for d in dependents}
@@ -329,9 +333,8 @@ class ObjectTier:
         evicted: list[ObjectEntry] = []
         if capacity is not None:
             total = sum(e.size for e in entries)
-            queue = sorted(entries, key=lambda e: e.written_at)
-            while queue and total > capacity:
-                victim = queue.pop(0)
+            order = least_reused_first(sorted(entries, key=by_age), lambda e: (e.namespace, e.key), self.reuse_of)
+            while total > capacity and (victim := next(order, None)) is not None:
                 if victim.path in gone:
                     continue  # already went with its anchor
                 evicted.append(victim)

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import islice
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -49,15 +48,14 @@ from kvstrata.tiers.disk.slab import (
 from kvstrata.tiers.policies import make_policy
 from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader
+from kvstrata.tiers.reuse_eviction import REUSE_EVICTION_WINDOW  # noqa: F401 - tests read it here
+from kvstrata.tiers.reuse_eviction import ReuseOf, least_reused_first
 
 logger = logging.getLogger(__package__)  # the tier logs under one name, "kvstrata.tiers.disk"
 
 RECOVERY_READ_BYTES = 4 << 20  # headers read per call at start-up
 # A slab's file grows by a quarter of its size, within these bounds (and the capacity).
 GROW_MIN_BYTES = 1 << 30
-# Oldest records weighed against each other by reuse when evicting (reuse_of set): wide
-# enough that a one-off among them goes first, narrow enough that age still rules.
-REUSE_EVICTION_WINDOW = 8
 GROW_MAX_BYTES = 8 << 30
 
 
@@ -85,7 +83,7 @@ class SlabIndex:
         self.on_change = on_change
         # (namespace, keys) -> each key's estimated recent uses; set by the node store when
         # it keeps a reuse sketch (admission.store: reuse), so evictions prefer one-offs.
-        self.reuse_of: Callable[[str, list[bytes]], Sequence[int]] | None = None
+        self.reuse_of: ReuseOf | None = None
         self._lock = threading.Lock()
         self._slabs: dict[str, _Slab] = {}
         self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
@@ -261,14 +259,11 @@ class SlabIndex:
         if self.reuse_of is None:
             yield from candidates
             return
-        while window := list(islice(candidates, REUSE_EVICTION_WINDOW)):
-            keys = [slab.key_of[record] for record in window]
-            uses = self.reuse_of(slab.namespace, keys)
-            for _, _, record, key in sorted(zip(uses, range(len(window)), window, keys)):
-                if slab.key_of.get(record) == key and record not in slab.busy:
-                    yield record
-            if len(window) < REUSE_EVICTION_WINDOW:
-                return
+        # Each record with the key it held when its window was read, to tell one dropped since.
+        named = ((record, slab.key_of[record]) for record in candidates)
+        for record, key in least_reused_first(named, lambda pair: (slab.namespace, pair[1]), self.reuse_of):
+            if slab.key_of.get(record) == key and record not in slab.busy:
+                yield record
 
     def _drop(self, slab: _Slab, key: bytes, record: int, free: bool = True) -> None:
         del slab.index[key]
