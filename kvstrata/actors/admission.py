@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from kvstrata.actors.store_state import StoreState, logger
 from kvstrata.tiers.arena import SlotPool
-from kvstrata.tiers.estimates import TierEstimates
+from kvstrata.tiers.estimates import TierEstimates, peer_node
 from kvstrata.tiers.frequency import ReuseCounter
 
 
@@ -54,9 +54,12 @@ class ReuseAdmission(StoreState):
             )  # fmt: skip
 
     def _tier_costs(self) -> dict[str, tuple[float, float, float]]:
+        """The tiers' estimates (`disk`, `object`, `peer`) for a step reply. Not the per-peer
+        ones (`peer:<node>`): an engine's mirror does not say which peer holds a chunk."""
         return {
             tier: (cost.latency_seconds, cost.bytes_per_second, cost.age_seconds)
             for tier, cost in self.tier_estimates.costs().items()
+            if peer_node(tier) is None
         }
 
     def _admit_commits(

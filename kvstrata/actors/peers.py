@@ -12,6 +12,14 @@ Runs inside the NodeStore actor when the config has a `cluster` section.
   arrays through Ray's object store and transfer -- never through the engine or the
   scheduler. Each chunk travels with the
   xxh3-128 its holder computed and is verified here before it is committed.
+- Which peer: a chunk several nodes hold is asked of the one whose estimate
+  (`peer:<node id>` in the store's `TierEstimates`) says it delivers the request's bytes
+  soonest; a node not measured yet, or not lately, is asked first (that measures it);
+  among equals, one holding it in RAM. Each fetch observes every peer it asked apart:
+  the bytes that arrived verified from it, and the seconds from its first call's send
+  to its last answer's arrival (answers are taken as they arrive, `ray.wait`, so a
+  fast peer is not charged a slow one's wait; peers answering at once share the link,
+  and each is charged the time it took while sharing it).
 
 A dead peer, a stale entry or a directory that does not answer is a miss, counted and
 logged once per outage; nothing here blocks the store's control calls.
@@ -22,7 +30,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.actors.directory import TIERS, shard_of, split_holder
@@ -30,18 +39,30 @@ from kvstrata.actors.options import STORE_NAMESPACE, store_actor_name
 from kvstrata.config import ClusterConfig
 from kvstrata.keys import key_name
 from kvstrata.tiers.changelog import CPU, PEER
+from kvstrata.tiers.estimates import fastest_first, peer_node, peer_tier
 from kvstrata.tiers.records import chunk_digest
 
 if TYPE_CHECKING:
     from kvstrata.tiers.arena import SlotPool
+    from kvstrata.tiers.estimates import TierEstimates
 
 logger = logging.getLogger(__name__)
 
 
 class PeerSync:
-    def __init__(self, node_id: str, config: ClusterConfig, logs: Callable[[], dict], directory: Callable[[int], Any]):
-        """`logs()`: the store's namespace -> ChangeLog; `directory(shard)`: that shard's actor handle."""
+    def __init__(
+        self,
+        node_id: str,
+        config: ClusterConfig,
+        logs: Callable[[], dict],
+        directory: Callable[[int], Any],
+        timer: Callable[[], float] = time.perf_counter,
+    ):
+        """`logs()`: the store's namespace -> ChangeLog; `directory(shard)`: that shard's actor
+        handle; `timer`: what fetches are timed with (seconds)."""
         self.node_id = node_id
+        self._timer = timer
+        self._measured: set[str] = set()  # peers whose first estimate was logged
         self.config = config
         self._logs = logs
         self._make_directory = directory
@@ -224,30 +245,53 @@ class PeerSync:
 
     # --- fetch --------------------------------------------------------------------------
 
-    def fetch(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], log: Any) -> list[bool]:
-        """Copy chunks from peers into reserved slots, verified; False for each one not had."""
+    def fetch(
+        self,
+        namespace: str,
+        pool: SlotPool,
+        items: list[tuple[bytes, int]],
+        log: Any,
+        estimates: TierEstimates | None = None,
+        stale_seconds: float = 30.0,
+    ) -> list[bool]:
+        """Copy chunks from peers into reserved slots, verified; False for each one not had.
+
+        With `estimates`: each chunk comes from its fastest holder by them, and what each
+        peer delivered is observed there as `peer:<node id>` (the caller observes the
+        batch as a whole as `peer`)."""
         import ray
 
         ok = dict.fromkeys(range(len(items)), False)
+        slot_bytes = pool.geometry.slot_bytes
+        costs = {}
+        if estimates is not None:
+            costs = {node: cost for tier, cost in estimates.costs().items() if (node := peer_node(tier)) is not None}
         by_peer: dict[str, list[int]] = {}
         for index, (key, _) in enumerate(items):
             holders = self.holders(namespace, key)
+            if len(holders) > 1:
+                holders = fastest_first(holders, costs, len(items) * slot_bytes, stale_seconds)
             if holders:
                 by_peer.setdefault(holders[0], []).append(index)
-        slot_bytes = pool.geometry.slot_bytes
         per_call = max(1, self.config.fetch_batch_bytes // slot_bytes)
         calls: list[tuple[str, list[int], Any]] = []
+        sent: dict[str, float] = {}  # peer -> when its first call went out
         for node_id, indices in by_peer.items():  # every call in flight at once: transfers overlap
             for start in range(0, len(indices), per_call):
                 batch = indices[start : start + per_call]
                 try:
-                    ref = self._store(node_id).export_chunks.remote(namespace, [items[i][0] for i in batch])
+                    store = self._store(node_id)
+                    sent.setdefault(node_id, self._timer())
+                    ref = store.export_chunks.remote(namespace, [items[i][0] for i in batch])
                 except Exception as exc:  # noqa: BLE001 - no such peer store (any more)
                     self._fetch_failed(node_id, len(batch), exc)
                     continue
                 calls.append((node_id, batch, ref))
+        delivered: dict[str, list[float]] = {}  # peer -> [verified bytes, when its last answer arrived]
         deadline = time.monotonic() + self.config.call_timeout_seconds
-        for node_id, batch, ref in calls:
+        for call in _in_arrival_order([ref for _, _, ref in calls], deadline):
+            node_id, batch, ref = calls[call]
+            arrived = self._timer()
             try:
                 found, digests, chunks = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001 - a dead or slow peer is a miss
@@ -256,6 +300,8 @@ class PeerSync:
             position = {key: n for n, key in enumerate(found)}
             with self._lock:
                 self.counters["fetch_calls"] += 1
+            from_peer = delivered.setdefault(node_id, [0, arrived])
+            from_peer[1] = arrived
             for i in batch:
                 key, slot = items[i]
                 n = position.get(key)
@@ -277,10 +323,34 @@ class PeerSync:
                     self._forget(namespace, key, node_id, log)
                     continue
                 ok[i] = True
+                from_peer[0] += slot_bytes
                 with self._lock:
                     self.counters["chunks_fetched"] += 1
                     self.counters["bytes_fetched"] += slot_bytes
+        if estimates is not None:
+            for node_id, (nbytes, arrived) in delivered.items():
+                estimates.observe(peer_tier(node_id), int(nbytes), arrived - sent[node_id])
+            self._log_first_estimates(estimates, delivered)
         return [ok[i] for i in range(len(items))]
+
+    def _log_first_estimates(self, estimates: TierEstimates, peers: dict[str, list[float]]) -> None:
+        """One line per peer, when it is first measured (status and metrics follow it after)."""
+        with self._lock:
+            new = [node for node in peers if node not in self._measured]
+        if not new:
+            return
+        costs = estimates.costs()
+        for node_id in new:
+            cost = costs.get(peer_tier(node_id))
+            with self._lock:
+                first = cost is not None and node_id not in self._measured
+                if first:
+                    self._measured.add(node_id)
+            if first:
+                logger.info(
+                    "kvstrata peers: node %s measured: %.0f MB/s after %.1f ms per fetch",
+                    node_id[:12], cost.bytes_per_second / 1e6, cost.latency_seconds * 1000,
+                )  # fmt: skip
 
     def _fetch_failed(self, node_id: str, count: int, exc: Exception) -> None:
         with self._lock:
@@ -301,3 +371,28 @@ class PeerSync:
             with self._lock:
                 self._stores[node_id] = handle
         return handle
+
+
+def _in_arrival_order(refs: list[Any], deadline: float) -> Iterator[int]:
+    """Positions in `refs` in the order their answers arrive here (`ray.wait`: the object is
+    on this node), then those not answered by `deadline` (`time.monotonic`), whose `ray.get`
+    then times out. A `concurrent.futures.Future` (an answer made in-process, not through
+    Ray) counts as arrived."""
+    import ray
+
+    pending: dict[Any, int] = {}
+    for n, ref in enumerate(refs):
+        if isinstance(ref, Future):
+            yield n
+        else:
+            pending[ref] = n
+    while pending:
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            break
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        if not ready:
+            break
+        for ref in ready:
+            yield pending.pop(ref)
+    yield from pending.values()

@@ -109,7 +109,9 @@ class Promotion(StoreState):
     def _peer_promote_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
         started = time.perf_counter()
         try:
-            ok = self.peers.fetch(namespace, pool, items, self._log(namespace))
+            # Each chunk from its fastest holder; each peer's part observed as `peer:<node>`.
+            estimates, stale = self.tier_estimates, self.config.admission.stale_seconds
+            ok = self.peers.fetch(namespace, pool, items, self._log(namespace), estimates, stale)
         except Exception:  # noqa: BLE001
             logger.exception("kvstrata node store: peer fetch of %d chunks failed", len(items))
             ok = [False] * len(items)
@@ -138,7 +140,10 @@ class Promotion(StoreState):
     def _finish_promotions(
         self, source: str, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], ok: list[bool], seconds: float
     ) -> None:
-        """Commit what arrived from `source` (disk, peer, object), release the rest, count both."""
+        """Commit what arrived from `source` (disk, peer, object), release the rest, count both.
+
+        The batch is observed as `source`: for peers, the aggregate `peer` estimate engines
+        weigh (the batch's time is its slowest peer's); peers.py observes each peer apart."""
         promoted = [(slot, key) for (key, slot), arrived in zip(items, ok) if arrived]
         self.io_meter.record(source, "read", len(promoted) * pool.geometry.slot_bytes, len(promoted), seconds)
         self.tier_estimates.observe(source, len(promoted) * pool.geometry.slot_bytes, seconds)  # admission.load

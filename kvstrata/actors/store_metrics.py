@@ -14,7 +14,8 @@ not `kvstrata_pinned_chunks`).
 Labels: `node` (the Ray node id) on every store metric, `tier` (cpu, disk, object, peer)
 or `source` where the metric is per tier, `namespace` only on chunks per tier and
 namespace, capped at `MAX_NAMESPACE_LABELS` namespaces per store (the rest are summed
-under `other`), so cardinality is bounded by nodes x tiers x a few.
+under `other`), so cardinality is bounded by nodes x tiers x a few. The tier estimates
+also carry `tier="peer:<node id>"`, one per other node measured lately (nodes x nodes).
 
 `METRICS` is the one list of names: the exporter declares exactly these, and the test of
 the Grafana dashboard (examples/grafana/kvstrata.json) checks every name it queries
@@ -32,6 +33,8 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from kvstrata.tiers.estimates import peer_tier
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +160,10 @@ def _admission_samples(node: str, admission: dict[str, Any] | None) -> Iterator[
         return
     for tier, counter in (("disk", "disk_writes_skipped_reuse"), ("object", "object_uploads_skipped_reuse")):
         yield ("kvstrata_admission_writes_skipped", {"node": node, "tier": tier}, float(admission.get(counter, 0)))
-    for tier, cost in admission.get("estimates", {}).items():
+    # Per peer: tier `peer:<its node id>`, so at most one series per other node.
+    estimates = dict(admission.get("estimates", {}))
+    estimates.update((peer_tier(peer), cost) for peer, cost in admission.get("peer_estimates", {}).items())
+    for tier, cost in estimates.items():
         labels = {"node": node, "tier": tier}
         yield ("kvstrata_tier_estimate_bytes_per_second", labels, float(cost["bytes_per_second"]))
         yield ("kvstrata_tier_estimate_latency_seconds", labels, float(cost["latency_seconds"]))

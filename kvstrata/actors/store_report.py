@@ -30,6 +30,7 @@ from typing import Any, TypedDict
 from kvstrata.actors.io_meter import DIRECTIONS
 from kvstrata.actors.store_state import PROMOTION_SOURCES, StoreState
 from kvstrata.tiers.changelog import OBJECT
+from kvstrata.tiers.estimates import peer_node
 
 
 class TierReport(TypedDict, total=False):
@@ -98,21 +99,30 @@ def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[s
 
 def _admission(store: StoreState) -> dict[str, Any]:
     """Cost-based admission (docs/admission.md): copies skipped as unlikely to be reused,
-    per tier, and what each lower tier delivered lately (the estimates engines weigh loads by)."""
+    per tier; what each lower tier delivered lately (`estimates`: disk, object, peer, the
+    figures engines weigh loads by); and what each other node delivered lately
+    (`peer_estimates`, by node id: the store picks among a chunk's holders by them)."""
     counters = store.counters
     estimates = getattr(store, "tier_estimates", None)
     costs = estimates.costs() if estimates is not None else {}
+    tiers: dict[str, Any] = {}
+    peers: dict[str, Any] = {}
+    for tier, cost in costs.items():
+        node = peer_node(tier)
+        figures = {
+            "latency_seconds": cost.latency_seconds,
+            "bytes_per_second": cost.bytes_per_second,
+            "age_seconds": cost.age_seconds,
+        }
+        if node is None:
+            tiers[tier] = figures
+        else:
+            peers[node] = figures
     return {
         "disk_writes_skipped_reuse": counters.get("disk_writes_skipped_reuse", 0),
         "object_uploads_skipped_reuse": counters.get("object_uploads_skipped_reuse", 0),
-        "estimates": {
-            tier: {
-                "latency_seconds": cost.latency_seconds,
-                "bytes_per_second": cost.bytes_per_second,
-                "age_seconds": cost.age_seconds,
-            }
-            for tier, cost in costs.items()
-        },
+        "estimates": tiers,
+        "peer_estimates": dict(sorted(peers.items())),
     }
 
 

@@ -89,16 +89,24 @@ def admission_line(admission: Mapping[str, Any] | None) -> Text | None:
         "object": admission.get("object_uploads_skipped_reuse", 0),
     }
     estimates = admission.get("estimates", {})
-    if not any(skipped.values()) and not estimates:
+    peers = admission.get("peer_estimates", {})
+    if not any(skipped.values()) and not estimates and not peers:
         return None
     text = Text("  admission: ")
     text.append("writes skipped as not reused: " + ", ".join(f"{tier} {_count(n)}" for tier, n in skipped.items()))
     for tier, cost in estimates.items():
-        text.append(
-            f"  ·  {TIER_NAMES.get(tier, tier)} delivers {_rate(cost['bytes_per_second'])} GB/s"
-            f" after {cost['latency_seconds'] * 1000:.1f} ms ({cost['age_seconds']:.0f} s ago)"
-        )
+        text.append(f"  ·  {TIER_NAMES.get(tier, tier)} delivers {_delivers(cost)}")
+    if peers:  # the store's own choice among a chunk's holders; engines weigh `peers` above
+        each = (f"node {node[:12]} delivers {_delivers(cost)}" for node, cost in peers.items())
+        text.append("\n  per peer: " + "  ·  ".join(each))
     return text
+
+
+def _delivers(cost: Mapping[str, float]) -> str:
+    return (
+        f"{_rate(cost['bytes_per_second'])} GB/s after {cost['latency_seconds'] * 1000:.1f} ms"
+        f" ({cost['age_seconds']:.0f} s ago)"
+    )
 
 
 def namespace_table(namespaces: Mapping[str, Mapping[str, Any]]) -> Table:

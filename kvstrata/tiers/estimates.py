@@ -14,17 +14,36 @@ few batches. While every batch had the same size the two terms cannot be told ap
 fit then charges everything to bandwidth (latency 0), which over-estimates large loads'
 speed never, and small loads' only by the latency.
 
+Peers: besides the aggregate `peer` (every remote node's deliveries together: what
+engines weigh, as their mirror only knows a chunk is on *some* peer), the store keeps one
+estimate per remote node, `peer:<node id>` (`peer_tier`), to choose among a chunk's
+holders (`fastest_first`). Those are forgotten `forget_seconds` after their last
+observation, so there are never more than the nodes seen lately.
+
 Invariants: an estimate exists only after `min_batches` observations; `bytes_per_second`
-> 0 and `latency_seconds` >= 0 whenever it exists; `break_even` is a pure function of its
-arguments. Must not: import Ray or vLLM; callers pass plain numbers.
+> 0 and `latency_seconds` >= 0 whenever it exists; `break_even` and `fastest_first` are
+pure functions of their arguments. Must not: import Ray or vLLM; callers pass plain numbers.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+PEER = "peer"  # every remote node together: the estimate engines receive
+PEER_PREFIX = "peer:"  # one remote node: `peer:<node id>`, kept by the store for itself
+
+
+def peer_tier(node_id: str) -> str:
+    """The estimate key of what one remote node delivers."""
+    return PEER_PREFIX + node_id
+
+
+def peer_node(tier: str) -> str | None:
+    """The node id of a per-peer estimate key; None for a tier (`disk`, `object`, `peer`)."""
+    return tier[len(PEER_PREFIX) :] if tier.startswith(PEER_PREFIX) else None
 
 
 @dataclass(frozen=True)
@@ -77,11 +96,17 @@ class TierEstimate:
 
 
 class TierEstimates:
-    """A node store's estimates, one per tier read from (`disk`, `object`, `peer`). Thread-safe."""
+    """A node store's estimates, one per tier read from (`disk`, `object`, `peer`) and one
+    per remote node (`peer:<node id>`). Thread-safe."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, half_life: float = 8.0):
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, half_life: float = 8.0, forget_seconds: float = 600.0
+    ):
+        """`forget_seconds`: a per-peer estimate not observed for this long is dropped (the
+        node may have left; long before, it was stale). Tiers' estimates are kept."""
         self._clock = clock
         self._half_life = half_life
+        self._forget_seconds = forget_seconds
         self._lock = threading.Lock()
         self._tiers: dict[str, TierEstimate] = {}
         self._last: dict[str, float] = {}
@@ -92,9 +117,12 @@ class TierEstimates:
             self._last[tier] = self._clock()
 
     def costs(self) -> dict[str, Cost]:
-        """Every tier with an estimate."""
+        """Every tier and peer with an estimate."""
         now = self._clock()
         with self._lock:
+            gone = [t for t, last in self._last.items() if peer_node(t) is not None and now - last > self._forget_seconds]
+            for tier in gone:
+                del self._tiers[tier], self._last[tier]
             out = {}
             for tier, estimate in self._tiers.items():
                 fitted = estimate.cost()
@@ -133,3 +161,21 @@ def break_even(
     if load_s > recompute_s * (1.0 + safety_margin):
         return False, slowest
     return True, None
+
+
+def fastest_first(sources: Sequence[str], costs: Mapping[str, Cost], nbytes: int, stale_seconds: float) -> list[str]:
+    """`sources` in the order to read `nbytes` from, by `costs` (source -> its estimate).
+
+    Sources with no estimate or one older than `stale_seconds` come first: reading from
+    them is what measures them (a slow one is read again once per staleness period, then
+    left as soon as that read renews its estimate). Then the rest, soonest delivery of
+    `nbytes` first. Stable: ties keep the order given.
+    """
+
+    def rank(source: str) -> tuple[int, float]:
+        cost = costs.get(source)
+        if cost is None or cost.age_seconds > stale_seconds:
+            return 0, 0.0
+        return 1, cost.load_seconds(nbytes)
+
+    return sorted(sources, key=rank)
