@@ -96,6 +96,7 @@ class NodeStore(StoreControl):
         self.layouts = {}
         self._registered = set()
         self._holders = {}
+        self._recompute_rates = {}
         self.counters = {
             "promotions": 0,
             "promotion_failures": 0,

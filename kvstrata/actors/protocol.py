@@ -32,6 +32,9 @@ class StepRequest:
     reserve: int = 0
     # Drop every chunk of the namespace (vLLM reset_prefix_cache(reset_connector=True)).
     purge: bool = False
+    # The engine's prefill rate (admission.load: configured or measured; 0 = not known):
+    # the store only reports it (`kvstrata status`), so it never makes a call worth sending.
+    recompute_tokens_per_second: float = 0.0
 
     def is_empty(self) -> bool:
         return not (
@@ -55,6 +58,7 @@ class StepRequest:
             release=self.release + later.release,
             reserve=self.reserve + later.reserve,
             purge=self.purge or later.purge,
+            recompute_tokens_per_second=later.recompute_tokens_per_second or self.recompute_tokens_per_second,
         )
 
 

@@ -137,6 +137,8 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 return StepReply(epoch=bound, seq=0, rejected=[rejected])
             namespace = request.namespace
             self.arena.renew(request.holder)
+            if request.recompute_tokens_per_second:
+                self._recompute_rates[request.holder] = request.recompute_tokens_per_second
             # Holds before anything else, and before the acknowledgement they guard.
             refused = pool.hold(request.holder, request.hold)
             pool.acknowledge(request.holder, request.known_seq)
@@ -259,6 +261,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
 
     def _unbind(self, holder: str) -> None:
         self._holders.pop(holder, None)
+        self._recompute_rates.pop(holder, None)
         self._registered = {entry for entry in self._registered if entry[0] != holder}
 
     # --- internals -----------------------------------------------------------------------

@@ -243,7 +243,8 @@ def _tenants(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, 
 
 
 def _engines(store: StoreState) -> dict[str, dict[str, Any]]:
-    """Engines with a live lease: seconds left on it, chunks they pin, slots they reserved."""
+    """Engines with a live lease: seconds left on it, chunks they pin, slots they reserved,
+    and the prefill rate `admission.load` weighs loads against (None: not known yet)."""
     engines: dict[str, dict[str, Any]] = {}
     for holder, seconds_left in store.arena.leases.remaining().items():
         pinned = reserved = 0
@@ -251,7 +252,12 @@ def _engines(store: StoreState) -> dict[str, dict[str, Any]]:
             holding = pool.holdings(holder)
             pinned += holding[0]
             reserved += holding[1]
-        engines[holder] = {"lease_seconds_left": round(seconds_left, 1), "pinned": pinned, "reserved": reserved}
+        engines[holder] = {
+            "lease_seconds_left": round(seconds_left, 1),
+            "pinned": pinned,
+            "reserved": reserved,
+            "recompute_tokens_per_second": store._recompute_rates.get(holder),
+        }
     return engines
 
 

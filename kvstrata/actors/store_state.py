@@ -52,6 +52,7 @@ class StoreState:
     layouts: dict[str, dict[str, object]]
     _registered: set[tuple[str, str]]  # (holder, namespace) registered with this store: who may purge
     _holders: dict[str, str]  # live holder -> the epoch its registration returned (store epoch + token)
+    _recompute_rates: dict[str, float]  # live holder -> its last reported prefill rate (status only)
     counters: dict[str, int]
     io_meter: IoMeter  # bytes, chunks and seconds each tier moved (status, metrics)
     audit: ChunkAudit | None  # `tiers.cpu.audit_chunks`: commits' digests checked on promotion

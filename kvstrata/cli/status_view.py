@@ -141,10 +141,17 @@ def engine_table(engines: Mapping[str, Mapping[str, Any]]) -> RenderableType:
     if not engines:
         return Text("engines: none holds a lease now", style="dim")
     table = Table(title="engines holding a lease", title_justify="left")
-    for column in ("engine", "lease left", "pinned chunks", "reserved slots"):
+    for column in ("engine", "lease left", "pinned chunks", "reserved slots", "recompute rate"):
         table.add_column(column, justify="left" if column == "engine" else "right")
     for holder, engine in engines.items():
-        table.add_row(holder, f"{engine['lease_seconds_left']:.1f} s", _count(engine["pinned"]), _count(engine["reserved"]))
+        rate = engine.get("recompute_tokens_per_second")
+        table.add_row(
+            holder,
+            f"{engine['lease_seconds_left']:.1f} s",
+            _count(engine["pinned"]),
+            _count(engine["reserved"]),
+            f"{rate:,.0f} tokens/s" if rate else "not measured",
+        )
     return table
 
 

@@ -186,6 +186,13 @@ def engine_vllm_config() -> Any | None:
     return get_current_vllm_config_or_none()
 
 
+def async_scheduling(vllm_config: Any | None) -> bool:
+    """Whether the engine schedules a step while the one before runs (the recompute rate
+    then times a step by the interval after the next: connector/recompute_rate.py)."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return bool(getattr(scheduler, "async_scheduling", False))
+
+
 def model_settings(vllm_config: Any) -> dict[str, Any]:
     """Everything in an engine's config that changes KV bytes for the same token ids.
 
@@ -266,6 +273,7 @@ __all__ = [
     "TransferResult",
     "HAS_RESET_FLUSHED",
     "anchor_groups",
+    "async_scheduling",
     "check_vllm_version",
     "engine_vllm_config",
     "group_ids",

@@ -3,7 +3,8 @@
 Why: a chunk in a slow tier (a throttled bucket, a busy disk, a far peer) is a "hit"
 that can arrive later than the engine would have recomputed it. The node store measures
 what each tier delivers (tiers/estimates.py) and sends the estimates with every step
-reply; this engine knows its prefill rate (`engine.recompute_tokens_per_second`).
+reply; this engine knows its prefill rate: `engine.recompute_tokens_per_second` when the
+YAML gives it, else what it measured of its own steps (recompute_rate.py).
 
 How: the first time a request's lookup reaches a chunk that is not in the arena but in a
 lower tier, `LoadAdmission.decide` takes the rest of the prefix from there -- the
@@ -17,9 +18,9 @@ beyond its anchor (vLLM takes the smallest hit over the groups). The decision is
 once per request, so a RETRY pass cannot change it half way.
 
 What it needs of vLLM: the positions of the request's chunks (`ReqContext` records them
-for every key from 0.32 on, before any lookup). Without them, or without a recompute
-rate, or before a tier has a fresh estimate, everything loads (loading is what measures
-a tier). Invariants: a cut only moves MISSes earlier, never turns a MISS into a HIT; a
+for every key from 0.32 on, before any lookup). Without them, or before a recompute rate
+is configured or measured, or before a tier has a fresh estimate, everything loads
+(loading is what measures a tier). Invariants: a cut only moves MISSes earlier, never turns a MISS into a HIT; a
 request's cut is fixed once decided and forgotten when the request finishes. Plain
 Python; must not call the store or import vLLM (positions come in as a mapping).
 """
@@ -30,6 +31,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 
 from kvstrata.config import AdmissionConfig
+from kvstrata.connector.recompute_rate import RecomputeRate
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 from kvstrata.tiers.estimates import Cost, break_even
 
@@ -52,14 +54,17 @@ class LoadAdmission:
     def __init__(
         self,
         admission: AdmissionConfig,
-        recompute_tokens_per_second: float | None,
+        configured_rate: float | None,
         chunk_bytes: int,
         counters: dict[str, int],
+        measured_rate: RecomputeRate | None = None,
     ):
         self.enabled = admission.load == "break_even"
         self.safety_margin = admission.safety_margin
         self.stale_seconds = admission.stale_seconds
-        self.recompute_tokens_per_second = recompute_tokens_per_second
+        self.configured_rate = configured_rate
+        self.measured_rate = measured_rate
+        self._announced_rate = False
         self.chunk_bytes = chunk_bytes
         self.costs: dict[str, Cost] = {}
         self._costs_at = 0.0  # when `costs` arrived (the engine's clock)
@@ -68,10 +73,25 @@ class LoadAdmission:
         self.counters = counters
         if self.enabled:
             logger.info(
-                "kvstrata engine: admission.load break_even, recompute rate %s tokens/s, safety margin %.0f%%%s",
-                recompute_tokens_per_second, 100 * self.safety_margin,
-                "" if recompute_tokens_per_second else " (no rate: engine.recompute_tokens_per_second unset, so it loads everything)",
+                "kvstrata engine: admission.load break_even, recompute rate %s, safety margin %.0f%%",
+                f"{configured_rate:g} tokens/s (engine.recompute_tokens_per_second)" if configured_rate
+                else "measured from this engine's steps (it loads everything until measured)",
+                100 * self.safety_margin,
             )  # fmt: skip
+
+    @property
+    def recompute_tokens_per_second(self) -> float | None:
+        """The configured rate, else the measured one (None until measured)."""
+        if self.configured_rate:
+            return self.configured_rate
+        rate = self.measured_rate.tokens_per_second() if self.measured_rate is not None else None
+        if rate is not None and self.enabled and not self._announced_rate:
+            self._announced_rate = True
+            logger.info(
+                "kvstrata engine: measured recompute rate %.0f tokens/s over %d steps; break_even now weighs loads",
+                rate, self.measured_rate.samples,
+            )  # fmt: skip
+        return rate
 
     def receive_costs(self, costs: Mapping[str, tuple[float, float, float]], now: float) -> None:
         """The store's estimates as a step reply carries them: tier -> (latency, bytes/s, age)."""

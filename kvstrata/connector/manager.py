@@ -73,8 +73,9 @@ class StrataManager(PinsAndSlots):
         holder: str,
         enable_events: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        async_scheduling: bool = False,
     ):
-        ManagerState.__init__(self, client, layout, config, holder, enable_events, clock)
+        ManagerState.__init__(self, client, layout, config, holder, enable_events, clock, async_scheduling)
 
         asked = clock()
         registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe(), True)
@@ -118,6 +119,7 @@ class StrataManager(PinsAndSlots):
                 # The stock ran dry this step: keep enough for a step like this one.
                 self._reserve_target = min(self._reserve_cap, max(2 * self._reserve_target, demand))
             self._pass_open = False
+            self._recompute_rate.step_ended(self._clock())
             request = self._take_request()
             # Even with nothing to say, ask now and then: the reply refreshes the index
             # mirror, so chunks other engines stored become hits. Calls never pile up:
@@ -141,7 +143,11 @@ class StrataManager(PinsAndSlots):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         with self._lock:
-            gauges = {"reserved_slots": len(self._stock), "pinned_chunks": len(self._pinned)}
+            gauges = {
+                "reserved_slots": len(self._stock),
+                "pinned_chunks": len(self._pinned),
+                "recompute_tokens_per_second": round(self._load_admission.recompute_tokens_per_second or 0),
+            }
             return take_stats(self._counters, self._reported, gauges)
 
     @override
@@ -185,6 +191,7 @@ class StrataManager(PinsAndSlots):
             release=self._out_release,
             reserve=max(0, want),
             purge=self._purge_requested,
+            recompute_tokens_per_second=self._load_admission.recompute_tokens_per_second or 0.0,
         )
         self._reserve_outstanding += request.reserve
         self._to_pin, self._to_touch = [], []

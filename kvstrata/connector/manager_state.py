@@ -48,6 +48,7 @@ from kvstrata.connector.compat import OffloadingEvent
 from kvstrata.connector.control import ControlChannel
 from kvstrata.connector.load_admission import LoadAdmission
 from kvstrata.connector.metrics import COUNTER_NAMES
+from kvstrata.connector.recompute_rate import RecomputeRate
 from kvstrata.keys import Layout
 from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.changelog import CPU
@@ -87,6 +88,7 @@ class ManagerState:
         holder: str,
         enable_events: bool,
         clock: Callable[[], float],
+        async_scheduling: bool = False,
     ):
         self._client = client
         self.layout = layout
@@ -97,8 +99,16 @@ class ManagerState:
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._reported: dict[str, int] = {}  # empty: the first report sends every counter, zeros too
         # admission.load: break_even -- where each request stops loading (load_admission.py)
+        # ... weighed against this engine's prefill rate, measured from its steps (recompute_rate.py)
+        self._recompute_rate = RecomputeRate(
+            layout.tokens_per_block[0] * layout.blocks_per_chunk, lag=1 if async_scheduling else 0
+        )
         self._load_admission = LoadAdmission(
-            config.admission, config.engine.recompute_tokens_per_second, layout.slot_bytes, self._counters
+            config.admission,
+            config.engine.recompute_tokens_per_second,
+            layout.slot_bytes,
+            self._counters,
+            self._recompute_rate,
         )
 
         # key -> tiers ("CPU", "STORAGE") of the node store that hold it

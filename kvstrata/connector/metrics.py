@@ -35,6 +35,8 @@ COUNTER_NAMES = {
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",
     "pinned_chunks": "Arena chunks pinned by this engine.",
+    "recompute_tokens_per_second": "This engine's prefill rate that admission.load weighs loads against: "
+    "configured, else measured from its steps (0 until measured).",
 }
 
 

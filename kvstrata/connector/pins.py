@@ -72,6 +72,8 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        with self._lock:
+            self._recompute_rate.request_started(req_context.req_id)
         return RequestOffloadingContext()
 
     @override
@@ -80,6 +82,8 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             result = self._answer(key, req_context)
             if result is LookupResult.RETRY:
                 self._counters["lookups_retried"] += 1
+            elif result is LookupResult.MISS:
+                self._recompute_rate.missed(req_context.req_id, key_position(req_context, key))
             return result
 
     def _answer(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -183,6 +187,9 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         with self._lock:
+            self._recompute_rate.storing(
+                req_context.req_id, ((key_position(req_context, key), key in self._mirror) for key in keys)
+            )
             wanted = []
             for key in dict.fromkeys(keys):
                 self._note_used(key, req_context)
@@ -240,6 +247,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             req_id = req_context.req_id
             self._arrived.pop(req_id, None)
             self._load_admission.forget(req_id)
+            self._recompute_rate.request_finished(req_id)
             self._touch_tail_first(self._req_used.pop(req_id, {}))
             for key in self._req_keys.pop(req_id, ()):
                 pin = self._pinned.get(key)

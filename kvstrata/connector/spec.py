@@ -24,6 +24,7 @@ from kvstrata.connector.compat import (
     OffloadingSpec,
     OffloadingWorker,
     anchor_groups,
+    async_scheduling,
     check_vllm_version,
     engine_vllm_config,
     group_ids,
@@ -91,6 +92,7 @@ class StrataSpec(OffloadingSpec):
         self._model_settings = None if vllm_config is None else model_settings(vllm_config)
         self._model_revision = None if vllm_config is None else vllm_config.model_config.revision
         self._download_dir = None if vllm_config is None else model_download_dir(vllm_config)
+        self._async_scheduling = async_scheduling(vllm_config)
         self.identity: ModelIdentity | None = None
         self._manager: StrataManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -127,6 +129,7 @@ class StrataSpec(OffloadingSpec):
                 cfg,
                 holder=holder_name(f"{self.config.engine_id}-{os.getpid()}"),  # the store checks holders
                 enable_events=self.kv_events_config.enable_kv_cache_events,
+                async_scheduling=self._async_scheduling,
             )
         return self._manager
 
