@@ -73,3 +73,14 @@ def crowd_out(pool, evict: int, holder: str = "another-engine") -> list[int]:
     on_their_way = pool.stats()["awaiting_reuse"] - stats["awaiting_reuse"]
     assert len(taken) + on_their_way == wanted, f"reserved {len(taken)} of {wanted} slots: too many pinned"
     return taken
+
+
+def reuse_estimate(reused: set[bytes] | list[bytes], asked: list) -> object:
+    """A `reuse_of` hook for eviction tests: 5 uses for `reused` keys, 1 for the rest; each
+    call is recorded in `asked` as (namespace, keys)."""
+
+    def reuse_of(namespace: str, keys: list[bytes]) -> list[int]:
+        asked.append((namespace, list(keys)))
+        return [5 if k in reused else 1 for k in keys]
+
+    return reuse_of

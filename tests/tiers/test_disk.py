@@ -18,7 +18,7 @@ from kvstrata.tiers.disk import index as disk_index
 from kvstrata.tiers.disk import reads as disk_reads
 from kvstrata.tiers.disk import slab as disk_slab
 from kvstrata.tiers.disk import writes as disk_writes
-from tests.utils import key
+from tests.utils import key, reuse_estimate
 
 CHUNK = 16384
 NS = "ns0"
@@ -702,13 +702,8 @@ def test_with_reuse_estimates_eviction_takes_the_one_offs_among_the_oldest_first
     tier = open_tier(tiers, tmp_path, capacity=6 * record, on_change=lambda ns, keys, present: present or removed.extend(keys))
     reused = {key(0), key(1), key(2)}  # the oldest three, but used again and again
     asked = []
-
-    def reuse_of(namespace, keys):
-        asked.append((namespace, list(keys)))
-        return [5 if k in reused else 1 for k in keys]
-
     if with_reuse:
-        tier.reuse_of = reuse_of
+        tier.reuse_of = reuse_estimate(reused, asked)
     assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(6)]) == [True] * 6
     assert tier.write_many(NS, [(key(i), chunk(i)) for i in range(10, 13)]) == [True] * 3
     if with_reuse:

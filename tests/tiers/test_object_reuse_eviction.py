@@ -15,7 +15,7 @@ from kvstrata.config import ObjectTierConfig, load_config
 from kvstrata.tiers.disk import HEADER_BYTES
 from kvstrata.tiers.object_store import ObjectTier
 from kvstrata.tiers.reuse_eviction import REUSE_EVICTION_WINDOW
-from tests.utils import FakeClock, key, store_config
+from tests.utils import FakeClock, key, reuse_estimate, store_config
 
 NS = "ns-test"
 OTHER = "other"
@@ -52,13 +52,8 @@ def test_a_sweep_evicts_one_offs_before_older_reused_chunks(memory_bucket, with_
     reused, one_offs = [key(0), key(1), key(2)], [key(3), key(4), key(5)]  # the reused are the oldest
     store_in_age_order(tier, [(NS, k) for k in reused + one_offs])
     asked = []
-
-    def reuse_of(namespace, keys):
-        asked.append((namespace, list(keys)))
-        return [5 if k in reused else 1 for k in keys]
-
     if with_reuse:
-        tier.reuse_of = reuse_of
+        tier.reuse_of = reuse_estimate(reused, asked)
     kept = sweep(tier)
     assert kept == {(NS, k) for k in (reused if with_reuse else one_offs)}
     assert tier.counters["evicted"] == 3
