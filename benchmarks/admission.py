@@ -13,8 +13,8 @@ disk writes, object PUTs and hit tokens of each.
 
 Goal (issue #28): with `reuse`, >= 50 % fewer writes and <= 5 % fewer hit tokens.
 
-Not here: the load-or-recompute half (TTFT of `always` vs `break_even` vs no object tier
-at three object-store bandwidths on a real engine) -- see docs/admission.md.
+The load-or-recompute half (TTFT of `always` vs `break_even` vs no object tier at three
+object-store bandwidths on a real engine) is benchmarks/admission_load.py.
 """
 
 from __future__ import annotations

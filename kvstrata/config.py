@@ -266,7 +266,7 @@ class EngineConfig(_Strict):
         default=None,
         gt=0,
         description="this engine's prefill rate (tokens/s), which `admission.load: break_even` weighs "
-        "loads against (unset: break_even loads everything)",
+        "loads against (unset: measured from the engine's own scheduler steps)",
     )
 
 
@@ -285,7 +285,8 @@ class AdmissionConfig(_Strict):
     """Cost-based admission: what engines load from the lower tiers, what the store writes to them."""
 
     load: Literal["always", "break_even"] = Field(
-        default="always", description="break_even: recompute a prefix's rest when loading it would be slower"
+        default="break_even",
+        description="break_even: recompute a prefix's rest when loading it would be slower (always: load every hit)",
     )
     safety_margin: float = Field(
         default=0.2, ge=0, le=10, description="recompute only when loading is slower by more than this fraction"

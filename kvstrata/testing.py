@@ -33,8 +33,12 @@ def build_tiny_llama(
     hidden_size: int = 128,
     num_layers: int = 2,
     sliding_window: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> Path:
     """Write a random-weight Llama (head_dim 32) and its tokenizer to `directory`.
+
+    `num_kv_heads` (default: as many as attention heads) below that makes it a GQA model,
+    whose KV per token is that much smaller for the same compute.
 
     With `sliding_window`, even layers attend to that many tokens only and odd layers
     to everything (`layer_types`, which vLLM's Llama reads): a hybrid model, whose KV
@@ -67,7 +71,7 @@ def build_tiny_llama(
         intermediate_size=hidden_size * 2,
         num_hidden_layers=num_layers,
         num_attention_heads=hidden_size // 32,
-        num_key_value_heads=hidden_size // 32,
+        num_key_value_heads=num_kv_heads or hidden_size // 32,
         head_dim=32,
         max_position_embeddings=4096,
         bos_token_id=1,

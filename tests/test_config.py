@@ -115,7 +115,7 @@ def test_shipped_multinode_config_and_cluster_checks():
 
 def test_admission_defaults_change_nothing_and_bad_values_name_their_key() -> None:
     config = load_config({})
-    assert config.admission.load == "always"
+    assert config.admission.load == "break_even"
     assert config.admission.store.disk == config.admission.store.object == "always"
     assert config.engine.recompute_tokens_per_second is None
     tuned = load_config({"admission": {"load": "break_even", "store": {"object": "reuse", "min_uses": 3}}})

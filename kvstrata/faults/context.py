@@ -101,13 +101,18 @@ class RowContext:
         # take longer than the default to answer an engine's registration.
         return {"reserve_slots": 12, "max_view_age_seconds": 0, "lease_seconds": 4, "control_timeout_seconds": 30, **overrides}
 
+    # The rows measure how loads survive faults: with break_even (the default) the tiny
+    # model would recompute rather than load from a slowed tier, and no hit would return.
+    ADMISSION = {"load": "always"}
+
     def arena_config(self) -> dict[str, Any]:
-        return {"tiers": {"cpu": self.arena()}, "engine": self.engine()}
+        return {"tiers": {"cpu": self.arena()}, "engine": self.engine(), "admission": dict(self.ADMISSION)}
 
     def disk_config(self) -> dict[str, Any]:
         self.disk_dir.mkdir(parents=True, exist_ok=True)
         disk = {"path": str(self.disk_dir), "capacity": DISK_SLOTS * (SLOT + HEADER_BYTES)}
-        return {"tiers": {"cpu": self.arena(ARENA_SMALL), "disk": disk}, "engine": self.engine()}
+        tiers = {"cpu": self.arena(ARENA_SMALL), "disk": disk}
+        return {"tiers": tiers, "engine": self.engine(), "admission": dict(self.ADMISSION)}
 
     def disk_capacity(self) -> int:
         return DISK_SLOTS * (SLOT + HEADER_BYTES)
@@ -124,7 +129,8 @@ class RowContext:
             "max_attempts": 2,
             "backoff_max_seconds": 2,
         }
-        return {"tiers": {"cpu": self.arena(ARENA_SMALL), "object": tier}, "engine": self.engine()}
+        tiers = {"cpu": self.arena(ARENA_SMALL), "object": tier}
+        return {"tiers": tiers, "engine": self.engine(), "admission": dict(self.ADMISSION)}
 
     def object_filesystem(self):
         """The bucket, reached directly (not through the proxy): for damage behind the store."""

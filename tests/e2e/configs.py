@@ -17,4 +17,7 @@ def arena_and_disk(disk_dir: Path, slot_bytes: int, arena_slots: int, disk_slots
         # Disk writes finish in the background, after this engine last heard from its
         # store: with no tolerated view age, the next round finds every chunk already on disk.
         "engine": {"reserve_slots": 12, "max_view_age_seconds": 0},
+        # These tests exercise the load path: the tiny model recomputes a prompt faster
+        # than a promotion's latency, so break_even (the default) would rightly skip it.
+        "admission": {"load": "always"},
     }

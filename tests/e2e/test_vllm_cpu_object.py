@@ -48,6 +48,7 @@ def config(s3):
         # Uploads finish after this engine last heard from its store: with no tolerated
         # view age, round 2 finds every chunk already in the bucket.
         "engine": {"reserve_slots": 12, "max_view_age_seconds": 0},
+        "admission": {"load": "always"},  # the load path (see tests/e2e/configs.py)
     }
 
 
