@@ -64,7 +64,6 @@ class LoadAdmission:
         self.stale_seconds = admission.stale_seconds
         self.configured_rate = configured_rate
         self.measured_rate = measured_rate
-        self._announced_rate = False
         self.chunk_bytes = chunk_bytes
         self.costs: dict[str, Cost] = {}
         self._costs_at = 0.0  # when `costs` arrived (the engine's clock)
@@ -82,16 +81,9 @@ class LoadAdmission:
     @property
     def recompute_tokens_per_second(self) -> float | None:
         """The configured rate, else the measured one (None until measured)."""
-        if self.configured_rate:
+        if self.configured_rate or self.measured_rate is None:
             return self.configured_rate
-        rate = self.measured_rate.tokens_per_second() if self.measured_rate is not None else None
-        if rate is not None and self.enabled and not self._announced_rate:
-            self._announced_rate = True
-            logger.info(
-                "kvstrata engine: measured recompute rate %.0f tokens/s over %d steps; break_even now weighs loads",
-                rate, self.measured_rate.samples,
-            )  # fmt: skip
-        return rate
+        return self.measured_rate.tokens_per_second()
 
     def receive_costs(self, costs: Mapping[str, tuple[float, float, float]], now: float) -> None:
         """The store's estimates as a step reply carries them: tier -> (latency, bytes/s, age)."""

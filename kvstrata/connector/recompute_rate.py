@@ -29,16 +29,20 @@ its decode tokens, which complete chunks rarely; and a step that completes a chu
 first tokens were computed in the step before counts the chunk's tokens once, in one
 of them. Counts each position of a request once (a hybrid model's groups share it).
 
-Invariants: `tokens_per_second` is None until `min_steps` confirmed samples, else > 0;
+Invariants: `tokens_per_second` is None until `min_steps` confirmed samples, else > 0,
+and changes only when a sample arrives (it is read every step: no work there);
 per-request state is dropped when the request finishes. Plain Python; no vLLM, no store.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 # Later step ends an interval waits for before it is judged busy or idle: one for
 # vLLM's finished-request signal, which comes with the next step's scheduling, and one
@@ -66,6 +70,7 @@ class RecomputeRate:
         self.tokens_per_chunk = tokens_per_chunk
         self.min_steps = min_steps
         self._rates: deque[float] = deque(maxlen=window)  # tokens / seconds of the latest samples
+        self._median: float | None = None  # of `_rates`, once it holds `min_steps`
         self.samples = 0
         self._active: set[str] = set()
         self._first_miss: dict[str, int] = {}  # request -> the first position it recomputes
@@ -121,15 +126,15 @@ class RecomputeRate:
     # --- the estimate ----------------------------------------------------------------
 
     def _observe(self, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            self._rates.append(tokens / seconds)
-            self.samples += 1
+        if seconds <= 0:
+            return
+        self._rates.append(tokens / seconds)
+        self.samples += 1
+        if len(self._rates) >= self.min_steps:
+            first = self._median is None
+            self._median = statistics.median(self._rates)
+            if first:
+                logger.info("kvstrata engine: measured recompute rate %.0f tokens/s", self._median)
 
     def tokens_per_second(self) -> float | None:
-        if len(self._rates) < self.min_steps:
-            return None
-        return statistics.median(self._rates)
-
-    @property
-    def active_requests(self) -> Collection[str]:
-        return self._active
+        return self._median
