@@ -335,22 +335,16 @@ class PeerSync:
 
     def _log_first_estimates(self, estimates: TierEstimates, peers: dict[str, list[float]]) -> None:
         """One line per peer, when it is first measured (status and metrics follow it after)."""
-        with self._lock:
-            new = [node for node in peers if node not in self._measured]
-        if not new:
-            return
         costs = estimates.costs()
+        with self._lock:
+            new = [node for node in peers if node not in self._measured and peer_tier(node) in costs]
+            self._measured.update(new)
         for node_id in new:
-            cost = costs.get(peer_tier(node_id))
-            with self._lock:
-                first = cost is not None and node_id not in self._measured
-                if first:
-                    self._measured.add(node_id)
-            if first:
-                logger.info(
-                    "kvstrata peers: node %s measured: %.0f MB/s after %.1f ms per fetch",
-                    node_id[:12], cost.bytes_per_second / 1e6, cost.latency_seconds * 1000,
-                )  # fmt: skip
+            cost = costs[peer_tier(node_id)]
+            logger.info(
+                "kvstrata peers: node %s measured: %.0f MB/s after %.1f ms per fetch",
+                node_id[:12], cost.bytes_per_second / 1e6, cost.latency_seconds * 1000,
+            )  # fmt: skip
 
     def _fetch_failed(self, node_id: str, count: int, exc: Exception) -> None:
         with self._lock:
