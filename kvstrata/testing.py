@@ -213,18 +213,21 @@ def _stop_processes(processes: list, timeout_s: float) -> None:
     psutil.wait_procs(alive, timeout=timeout_s)
 
 
-def run_round(llm, prompts: list[str], max_tokens: int = 16) -> list[dict[str, object]]:
+def run_round(llm, prompts: list[str], max_tokens: int = 16, reset: bool = True) -> list[dict[str, object]]:
     """Generate each prompt alone after a GPU prefix-cache reset.
 
     With the engine's own prefix cache empty, every cached prompt token was loaded
-    from kvstrata, so `cached_tokens` is exactly what kvstrata served.
+    from kvstrata, so `cached_tokens` is exactly what kvstrata served. With `reset`
+    False, a prompt just generated is served by vLLM's own prefix cache instead: the
+    reference for a kvstrata hit of the same length in the same engine.
     """
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
     results = []
     for prompt in prompts:
-        llm.reset_prefix_cache()
+        if reset:
+            llm.reset_prefix_cache()
         output = llm.generate([prompt], params, use_tqdm=False)[0]
         completion = output.outputs[0]
         results.append(
