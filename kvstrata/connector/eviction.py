@@ -17,18 +17,19 @@ request) nor read the inbox.
 
 from __future__ import annotations
 
-from kvstrata.connector.compat import ReqContext, key_position
-from kvstrata.connector.manager_state import ManagerState
+from kvstrata.connector.compat import ReqContext, key_positions
+from kvstrata.connector.manager_state import ManagerState, UsedChunks
 from kvstrata.keys import key_group, key_hash
 
 
 class EvictionOrder(ManagerState):
     def _note_used(self, key: bytes, req_context: ReqContext) -> None:
-        used = self._req_used.setdefault(req_context.req_id, {})
-        if key not in used:
-            used[key] = key_position(req_context, key)
+        used = self._req_used.get(req_context.req_id)
+        if used is None:  # the request's first: vLLM's record of its positions, read once
+            used = self._req_used[req_context.req_id] = UsedChunks(key_positions(req_context))
+        used.keys[key] = None
 
-    def _touch_tail_first(self, used: dict[bytes, int | None]) -> None:
+    def _touch_tail_first(self, used: UsedChunks) -> None:
         """Touch a finished request's chunks from its tail to its head, as vLLM's own CPU
         LRU does: a prefix's later chunks (useless without the earlier ones) leave first.
         At one position, the anchor (full-attention) chunk is touched last: a window or
@@ -38,15 +39,21 @@ class EvictionOrder(ManagerState):
         appeared: vLLM offers a request's chunks group by group, each in prefix order,
         and every group's chunk at a position shares that position's hash.
         """
-        first_seen: dict[bytes, int] = {}
-        for key in used:
-            first_seen.setdefault(key_hash(key), len(first_seen))
+        known = used.positions or {}
+        positions = {key: known.get(key) for key in used.keys}
+        if None in positions.values():
+            first_seen: dict[bytes, int] = {}
+            for key in used.keys:
+                first_seen.setdefault(key_hash(key), len(first_seen))
+            for key, position in positions.items():
+                if position is None:
+                    positions[key] = first_seen[key_hash(key)]
+        anchors = self._anchor_groups
 
         def rank(key: bytes) -> tuple[int, bool]:
-            position = used[key]
-            return (-(first_seen[key_hash(key)] if position is None else position), key_group(key) in self._anchor_groups)
+            return (-positions[key], key_group(key) in anchors)
 
-        self._to_touch.extend(key for key in sorted(used, key=rank) if key in self._mirror)
+        self._to_touch.extend(key for key in sorted(positions, key=rank) if key in self._mirror)
 
     def _release_idle_pins(self) -> None:
         for key, pin in list(self._pinned.items()):

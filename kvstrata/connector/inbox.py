@@ -82,7 +82,7 @@ class ReplyInbox(ManagerState):
             self._counters["chunks_promoted"] += 1
         waiters = self._pin_waiters.pop(key, set())
         for req_id in waiters:  # so a request that ends before its next lookup lets go
-            self._req_keys.setdefault(req_id, set()).add(key)
+            self._req_keys[req_id].add(key)
         pin = Pin(
             slot,
             self._epoch,

@@ -97,6 +97,10 @@ class LoadAdmission:
             for tier, cost in self.costs.items()
         }
 
+    def has_cut(self, req_id: str) -> bool:
+        """Whether the request decided to recompute from some chunk on (cheap: no position)."""
+        return self._cuts.get(req_id) is not None
+
     def cut_before(self, req_id: str, position: int | None) -> bool:
         """Whether the request already decided to recompute from at or before `position`."""
         cut = self._cuts.get(req_id)

@@ -37,8 +37,8 @@ This module holds data only: it must not call the store, vLLM or another module'
 from __future__ import annotations
 
 import threading
-from collections import deque
-from collections.abc import Callable
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +57,7 @@ from kvstrata.tiers.changelog import CPU
 MAX_RESERVE_TARGET = 4096
 
 
-@dataclass
+@dataclass(slots=True)
 class Pin:
     slot: int
     epoch: str
@@ -69,6 +69,15 @@ class Pin:
     promoted_for: frozenset[str] = frozenset()
     # False for a HIT answered from the mirror whose hold has not gone to the store yet.
     recorded: bool = True
+
+
+@dataclass(slots=True)
+class UsedChunks:
+    """The chunks one request hit or stored, in first-use order, and vLLM's record of their
+    positions (the request's own mapping, read at finish; None before vLLM 0.32)."""
+
+    positions: Mapping[bytes, int] | None
+    keys: dict[bytes, None] = field(default_factory=dict)
 
 
 class ManagerState:
@@ -130,10 +139,10 @@ class ManagerState:
         self._reserve_target = config.engine.reserve_slots
         self._reserve_outstanding = 0
         self._reserve_cap = MAX_RESERVE_TARGET  # lowered by the store's answer
-        self._req_keys: dict[str, set[bytes]] = {}
-        # request -> the chunks it hit or stored, with their token position: touched
-        # tail first when it finishes, so the LRU order keeps each prefix's head longest.
-        self._req_used: dict[str, dict[bytes, int | None]] = {}
+        self._req_keys: defaultdict[str, set[bytes]] = defaultdict(set)
+        # request -> the chunks it hit or stored: touched tail first when it finishes, so
+        # the LRU order keeps each prefix's head longest.
+        self._req_used: dict[str, UsedChunks] = {}
         self._anchor_groups = frozenset(layout.anchor_groups or ())
         self._out_commit: list[tuple[int, bytes]] = []
         self._out_unpin: list[int] = []

@@ -87,22 +87,29 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             return result
 
     def _answer(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """The answer to one lookup; the caller holds the lock."""
+        """The answer to one lookup; the caller holds the lock.
+
+        Hot path: most lookups are HITs on a pinned or arena-resident chunk, once per
+        chunk per request, on vLLM's scheduler thread. Those take no clock reading past a
+        request's first lookup, no chunk position unless the request has a cut, and no
+        container they do not keep (benchmarks/manager_overhead.py)."""
         if not self._pass_open:
             # First lookup of a scheduling pass: replies that arrived during the
             # forward pass turn this pass's RETRYs into HITs.
             self._pass_open = True
             self._drain_inbox()
         req_id = req_context.req_id
-        now = self._clock()
-        arrived = self._arrived.setdefault(req_id, now)
-        position = key_position(req_context, key)
-        if self._load_admission.cut_before(req_id, position):
+        arrived = self._arrived.get(req_id)
+        if arrived is None:
+            arrived = self._arrived[req_id] = self._clock()
+        if self._load_admission.has_cut(req_id) and self._load_admission.cut_before(
+            req_id, key_position(req_context, key)
+        ):
             return LookupResult.MISS  # this request recomputes from an earlier chunk on
         pin = self._pinned.get(key)
         if pin is not None and pin.epoch == self._epoch:
             pin.requests.add(req_id)
-            self._req_keys.setdefault(req_id, set()).add(key)
+            self._req_keys[req_id].add(key)
             self._note_used(key, req_context)
             return LookupResult.HIT
         if key in self._storing:
@@ -113,12 +120,17 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             # pin goes out with the next control call, before this engine acknowledges
             # any later view; until then deferred slot reuse keeps the slot's bytes.
             # (A promotion this engine asked for may have reached the mirror first.)
-            self._pin_for_waiters(key, slot, recorded=False).requests.add(req_id)
+            if key in self._pin_waiters or key in self._promoted:
+                self._pin_for_waiters(key, slot, recorded=False).requests.add(req_id)
+            else:  # nobody waited on it: the same pin, built directly
+                self._pinned[key] = Pin(slot, self._epoch, requests={req_id}, recorded=False)
             self._to_hold.append((key, slot))
-            self._req_keys.setdefault(req_id, set()).add(key)
+            self._req_keys[req_id].add(key)
             self._note_used(key, req_context)
             self._counters["hits_without_round_trip"] += 1
             return LookupResult.HIT
+        now = self._clock()
+        position = key_position(req_context, key)
         missed_until = self._missed_until.get(key)
         if missed_until is not None:
             if missed_until > now:
@@ -248,7 +260,9 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             self._arrived.pop(req_id, None)
             self._load_admission.forget(req_id)
             self._recompute_rate.request_finished(req_id)
-            self._touch_tail_first(self._req_used.pop(req_id, {}))
+            used = self._req_used.pop(req_id, None)
+            if used is not None:
+                self._touch_tail_first(used)
             for key in self._req_keys.pop(req_id, ()):
                 pin = self._pinned.get(key)
                 if pin is not None:
