@@ -292,7 +292,10 @@ class AdmissionConfig(_Strict):
         default=0.2, ge=0, le=10, description="recompute only when loading is slower by more than this fraction"
     )
     stale_seconds: float = Field(
-        default=30.0, gt=0, description="an estimate older than this is not trusted: the next hit loads and measures"
+        default=30.0,
+        gt=0,
+        description="an estimate older than this is measured again: by the next load if it says load, "
+        "else by promoting the skipped chunks in the background while the request recomputes",
     )
     store: StoreAdmissionConfig = StoreAdmissionConfig()
 

@@ -78,9 +78,9 @@ class ReplyInbox(ManagerState):
         """A new local pin of `key` at `slot` for the requests that waited on it, with the
         tier a promotion they asked for brought it from (what vLLM reports as the source)."""
         promoted_from = self._promoted.pop(key, CPU)
-        if promoted_from != CPU:
-            self._counters["chunks_promoted"] += 1
         waiters = self._pin_waiters.pop(key, set())
+        if promoted_from != CPU and waiters:  # (a background probe's promotion is no hit)
+            self._counters["chunks_promoted"] += 1
         for req_id in waiters:  # so a request that ends before its next lookup lets go
             self._req_keys[req_id].add(key)
         pin = Pin(

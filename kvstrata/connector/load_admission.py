@@ -19,8 +19,12 @@ once per request, so a RETRY pass cannot change it half way.
 
 What it needs of vLLM: the positions of the request's chunks (`ReqContext` records them
 for every key from 0.32 on, before any lookup). Without them, or before a recompute rate
-is configured or measured, or before a tier has a fresh estimate, everything loads
-(loading is what measures a tier). Invariants: a cut only moves MISSes earlier, never turns a MISS into a HIT; a
+is configured or measured, or before a tier has an estimate, everything loads (loading
+is what measures a tier). An estimate older than `stale_seconds` that still says
+recompute is followed, and the request's chunks in that tier are promoted in the
+background (`take_probes`, at most once per tier per `stale_seconds`): that measures the
+tier again without making a request wait on it. One that says load is loaded (which
+measures it too). Invariants: a cut only moves MISSes earlier, never turns a MISS into a HIT; a
 request's cut is fixed once decided and forgotten when the request finishes. Plain
 Python; must not call the store or import vLLM (positions come in as a mapping).
 """
@@ -28,6 +32,7 @@ Python; must not call the store or import vLLM (positions come in as a mapping).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Mapping
 
 from kvstrata.config import AdmissionConfig
@@ -68,6 +73,8 @@ class LoadAdmission:
         self.costs: dict[str, Cost] = {}
         self._costs_at = 0.0  # when `costs` arrived (the engine's clock)
         self._cuts: dict[str, int | None] = {}  # req_id -> first position recomputed (None: load all)
+        self._probes: list[bytes] = []  # chunks to promote in the background (take_probes)
+        self._probed_at: dict[str, float] = {}  # tier -> when its last background probe was asked for
         # `loads_skipped_<tier>`: lower-tier chunks recomputed rather than loaded (the manager's counters).
         self.counters = counters
         if self.enabled:
@@ -137,7 +144,7 @@ class LoadAdmission:
                 break  # the prefix any tier holds ends here
             end = pos
         bytes_by_tier: dict[str, int] = {}
-        lower_chunks: dict[str, int] = {}
+        lower_keys: dict[str, list[bytes]] = {}
         for key, pos in positions.items():
             media = mirror.get(key)
             if not media or not position <= pos <= end or CPU in media:
@@ -145,20 +152,33 @@ class LoadAdmission:
             tier = source_tier(media)
             if tier is not None:
                 bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + self.chunk_bytes
-                lower_chunks[tier] = lower_chunks.get(tier, 0) + 1
-        load, _ = break_even(
-            bytes_by_tier,
-            end - start,
-            self.current_costs(now),
-            self.recompute_tokens_per_second,
-            self.safety_margin,
-            self.stale_seconds,
-        )
+                lower_keys.setdefault(tier, []).append(key)
+        costs = self.current_costs(now)
+        rate = self.recompute_tokens_per_second
+        load, _ = break_even(bytes_by_tier, end - start, costs, rate, self.safety_margin, self.stale_seconds)
+        stale = [tier for tier in bytes_by_tier if tier in costs and costs[tier].age_seconds > self.stale_seconds]
+        if load and stale and not break_even(bytes_by_tier, end - start, costs, rate, self.safety_margin, math.inf)[0]:
+            # Only staleness says load, and what each tier delivered when last measured
+            # says recompute: recompute, and measure the stale tiers again in the
+            # background by promoting this request's chunks from them, with no request
+            # waiting on them. (Loading would make this request wait like `always`.)
+            load = False
+            for tier in stale:
+                if now - self._probed_at.get(tier, -math.inf) > self.stale_seconds:
+                    self._probed_at[tier] = now
+                    self._probes.extend(lower_keys[tier])
+                    self.counters["chunks_probed"] += len(lower_keys[tier])
         self._cuts[req_id] = None if load else position
         if not load:
-            for tier, chunks in lower_chunks.items():
-                self.counters[f"loads_skipped_{tier}"] += chunks
+            for tier, keys in lower_keys.items():
+                self.counters[f"loads_skipped_{tier}"] += len(keys)
         return not load
+
+    def take_probes(self) -> list[bytes]:
+        """Chunks to promote in the background, no request waiting on them (the manager
+        asks the store for them like any pin, and unpins them once they arrive)."""
+        probes, self._probes = self._probes, []
+        return probes
 
     def forget(self, req_id: str) -> None:
         self._cuts.pop(req_id, None)

@@ -31,6 +31,8 @@ COUNTER_NAMES = {
     "loads_skipped_disk": "Chunks on the node's disk recomputed because loading them was slower (admission.load).",
     "loads_skipped_peer": "Chunks on another node recomputed because loading them was slower (admission.load).",
     "loads_skipped_object": "Chunks in the object store recomputed because loading them was slower (admission.load).",
+    "chunks_probed": "Lower-tier chunks promoted in the background, no request waiting, to measure a tier whose "
+    "estimate went stale while it still said recompute (admission.load).",
 }
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",

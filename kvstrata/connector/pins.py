@@ -144,6 +144,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         if key in self._mirror and self._load_admission.decide(
             req_id, position, key_positions(req_context), self._mirror, self._anchor_groups, key_group, now
         ):
+            self._probe(self._load_admission.take_probes())
             return LookupResult.MISS  # loading the rest from a lower tier is slower than recomputing it
         waiters = self._pin_waiters.get(key)
         if waiters is not None:
@@ -157,6 +158,15 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             self._view_wanted = True
             return LookupResult.RETRY
         return LookupResult.MISS
+
+    def _probe(self, keys: list[bytes]) -> None:
+        """Ask the store to promote `keys` with no request waiting on them: its reads
+        measure their tier again. Their pins come back with no request and are released
+        at the step's end, like any idle pin; a chunk already asked for or pinned is left."""
+        for key in keys:
+            if key not in self._pin_waiters and key not in self._pinned:
+                self._pin_waiters[key] = set()
+                self._to_pin.append(key)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
         """The tier a HIT was loaded from (vLLM 0.32+ reports it per request)."""

@@ -143,13 +143,15 @@ def test_no_group_is_loaded_beyond_its_anchor(env):
 
 
 def test_an_estimate_goes_stale_on_the_engine_too():
-    """The engine ages what the store sent by the time since it arrived: a tier measured
-    slow long ago is tried again (loading is what measures it)."""
+    """The engine ages what the store sent by the time since it arrived. A tier measured
+    slow long ago is still recomputed, and measured again in the background: its chunks
+    are handed out as probes, once per tier per `stale_seconds`. A stale tier measured
+    fast is loaded (which measures it)."""
     from kvstrata.config import AdmissionConfig
     from kvstrata.connector.load_admission import LoadAdmission, source_tier
     from kvstrata.tiers.changelog import OBJECT, PEER, STORAGE
 
-    counters = {"loads_skipped_disk": 0, "loads_skipped_peer": 0, "loads_skipped_object": 0}
+    counters = {"loads_skipped_disk": 0, "loads_skipped_peer": 0, "loads_skipped_object": 0, "chunks_probed": 0}
     admission = LoadAdmission(AdmissionConfig(load="break_even", stale_seconds=30), 1000.0, SLOT, counters)
     admission.receive_costs({"object": (0.0, 4096.0, 5.0)}, now=100.0)  # measured 5 s before it arrived
     mirror = {key(1): {OBJECT}, key(2): {OBJECT}}
@@ -159,6 +161,56 @@ def test_an_estimate_goes_stale_on_the_engine_too():
         return admission.decide(req_id, TOKENS, positions, mirror, (), lambda k: 0, now)
 
     assert recomputes("fresh", now=110.0)  # 15 s old: trusted, 2 s of loading vs 64 ms
-    assert counters["loads_skipped_object"] == 2
-    assert not recomputes("stale", now=130.0)  # 35 s old: load, and measure again
+    assert counters["loads_skipped_object"] == 2 and admission.take_probes() == []
+    assert recomputes("stale", now=130.0)  # 35 s old: still recomputed, and probed
+    assert admission.take_probes() == [key(1), key(2)] and counters["chunks_probed"] == 2
+    assert recomputes("stale again", now=140.0)  # the probe is out: no second one
+    assert admission.take_probes() == [] and counters["chunks_probed"] == 2
+    assert recomputes("probe lost", now=161.0)  # stale_seconds after it: probed again
+    assert admission.take_probes() == [key(1), key(2)]
+    admission.receive_costs({"object": (0.0, 1e9, 40.0)}, now=200.0)  # measured fast, 40 s ago
+    assert not recomputes("stale but fast", now=200.0)  # loads, and that measures it
+    assert admission.take_probes() == []
     assert source_tier({STORAGE, OBJECT}) == "disk" and source_tier({PEER, OBJECT}) == "peer"
+
+
+def test_a_stale_slow_tier_is_probed_in_the_background_and_the_request_does_not_wait(env):
+    """The store's disk estimate says slow and is older than `stale_seconds`: the request
+    recomputes at once (no RETRY), and the chunks it skipped are promoted with no request
+    waiting -- which renews the estimate, releases their pins, counts no promoted hit, and
+    leaves them in the arena for the next request."""
+    from kvstrata.tiers.estimates import TierEstimates
+
+    make_store, make_manager = env
+    store = make_store()
+    writer = make_manager(store, "writer")
+    split_prefix(store, writer, [key(3), key(4)], [key(1), key(2)])
+    reader = make_manager(store, "reader")
+    now = [1000.0]
+    store.tier_estimates = TierEstimates(clock=lambda: now[0])  # the estimate's age, set by the test
+    measured(store, reader, 4096.0)
+    now[0] += 60.0  # stale_seconds is 30
+    step(reader, store)
+    assert reader._load_admission.costs["disk"].age_seconds == pytest.approx(60.0)
+    context = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
+    assert [reader.lookup(key(i), context) for i in (1, 2, 3, 4)] == [HIT, HIT, MISS, MISS]
+    assert reader._counters["loads_skipped_disk"] == 2 and reader._counters["chunks_probed"] == 2
+    reader.prepare_load([key(1), key(2)], context)
+    reader.complete_load([key(1), key(2)], context)
+    reader.on_request_finished(context)
+    pool = store.arena.pools[reader.namespace]
+    for _ in range(20):  # the probe's promotion: a step asks, the store reads the disk, a step collects
+        step(writer)  # (evicted slots are reused once every engine saw their chunks go)
+        step(reader, store)
+        if not reader._pin_waiters:
+            break
+    assert not reader._pin_waiters, reader._pin_waiters
+    step(reader, store)  # the probe's pins, held by no request, released
+    step(reader, store)
+    assert reader._load_admission.costs["disk"].age_seconds < 1.0  # measured again
+    assert pool.stats()["pinned"] == 0 and reader._counters["chunks_promoted"] == 0
+    assert all(pool.lookup(k) is not None for k in (key(3), key(4)))
+    again = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
+    assert [reader.lookup(key(i), again) for i in (1, 2, 3, 4)] == [HIT] * 4  # from the arena now
+    assert reader._counters["chunks_probed"] == 2
+    reader.on_request_finished(again)
