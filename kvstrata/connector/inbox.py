@@ -177,8 +177,7 @@ class ReplyInbox(ManagerState):
         if len(self._missed_until) > MISSED_PRUNE_AT:
             self._missed_until = {key: until for key, until in self._missed_until.items() if until > now}
         for key in reply.missing:
-            if key in self._pin_waiters:
-                del self._pin_waiters[key]
+            if self._pin_waiters.pop(key, None):  # (a background probe's miss is nobody's)
                 self._counters["pins_missed"] += 1
             # A miss for a while, then asked for again. Its tiers stay as the store's log
             # says: forgetting them here was never corrected (the log sends changes only),
