@@ -7,7 +7,7 @@ first when the request finishes (`_touch_tail_first`), and at the end of a step 
 the chunks no request or load holds (`_release_idle_pins`).
 
 Writes: `_req_used` (entries added), `_to_touch` (appended), `_pinned` (idle pins
-removed), `_out_unpin` (appended). Invariants: rule 1 -- a pin some request still holds,
+removed), `_maybe_idle` (emptied), `_out_unpin` (appended). Invariants: rule 1 -- a pin some request still holds,
 or with a load in flight, is never released; a pin of an older store epoch is forgotten,
 never unpinned (its slot means nothing to the new store); only chunks the mirror says
 are resident are touched. Called under the manager's lock, on the scheduler's thread
@@ -56,8 +56,13 @@ class EvictionOrder(ManagerState):
         self._to_touch.extend(key for key in sorted(positions, key=rank) if key in self._mirror)
 
     def _release_idle_pins(self) -> None:
-        for key, pin in list(self._pinned.items()):
-            if pin.requests or pin.loads:
+        """Release the pins no request or load holds any more. Only those that may have
+        become idle since the last call are looked at (`_maybe_idle`: every place that
+        removes a pin's last holder, or makes a pin with none, adds its key)."""
+        candidates, self._maybe_idle = self._maybe_idle, {}
+        for key in candidates:
+            pin = self._pinned.get(key)
+            if pin is None or pin.requests or pin.loads:
                 continue
             del self._pinned[key]
             if not pin.recorded:

@@ -92,6 +92,8 @@ class ReplyInbox(ManagerState):
             recorded=recorded,
         )
         self._pinned[key] = pin
+        if not waiters:  # a background probe's, or every waiter finished meanwhile
+            self._maybe_idle[key] = None
         return pin
 
     def _take_holds(self) -> list[tuple[bytes, int]]:
@@ -170,7 +172,10 @@ class ReplyInbox(ManagerState):
             if held is None:
                 self._pin_for_waiters(key, slot)
             else:
-                held.requests |= self._pin_waiters.pop(key, set())
+                waiters = self._pin_waiters.pop(key, set())
+                held.requests |= waiters
+                for req_id in waiters:  # so each lets go when it finishes
+                    self._req_keys[req_id].add(key)
                 if held.slot != slot:
                     self._out_unpin.append(slot)
         now = self._clock()

@@ -131,6 +131,10 @@ class ManagerState:
         # until then, without asking again; their tiers stay as the store's log says.
         self._missed_until: dict[bytes, float] = {}
         self._pinned: dict[bytes, Pin] = {}
+        # Pins that may have become idle since the step began (a request finished, a load
+        # completed, a pin arrived or was made with no request): all `_release_idle_pins`
+        # looks at, so a step's cost does not grow with the pins running requests hold.
+        self._maybe_idle: dict[bytes, None] = {}
         self._pin_waiters: dict[bytes, set[str]] = {}  # asked for, not yet answered
         self._to_pin: list[bytes] = []  # asked for, not yet sent
         self._to_touch: list[bytes] = []

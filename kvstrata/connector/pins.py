@@ -202,6 +202,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
                 if pin is not None and pin.loads > 0:
                     pin.loads -= 1
                     pin.requests.discard(req_context.req_id)
+                    self._maybe_idle[key] = None
             self._drain_inbox()
 
     # --- stores ---------------------------------------------------------------------
@@ -249,6 +250,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
                     self._out_commit.append((slot, key))
                     # The store keeps the writer's pin at commit; we hold it until idle.
                     self._pinned[key] = Pin(slot, self._epoch)
+                    self._maybe_idle[key] = None
                     media = self._mirror.setdefault(key, set())
                     if CPU not in media:
                         media.add(CPU)
@@ -277,6 +279,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
                 pin = self._pinned.get(key)
                 if pin is not None:
                     pin.requests.discard(req_id)
+                    self._maybe_idle[key] = None
             for waiters in self._pin_waiters.values():
                 waiters.discard(req_id)
 

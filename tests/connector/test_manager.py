@@ -1,7 +1,6 @@
 """StrataManager driven only through vLLM's OffloadingManager calls, over an in-process
 node store. Mirrors the behaviours vLLM's own tests/v1/kv_offload/cpu/test_manager.py
-expects of any manager, plus what sharing a store between engines adds.
-"""
+expects of any manager, plus what sharing a store between engines adds."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager
+from tests.connector.harness import step
 from tests.utils import FakeClock, key, layout, store_config
 
 SLOT = 4096
@@ -68,11 +68,6 @@ def _close_managers():
     yield
     while managers:
         managers.pop().shutdown()
-
-
-def step(manager):
-    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-    assert manager.wait_idle(10)
 
 
 def ctx(req_id="r1"):
@@ -216,7 +211,8 @@ def test_another_engine_hits_at_once_with_the_same_bytes_and_no_store_call(store
     assert pool.stats()["pinned"] == 0
 
 
-def test_pins_are_released_when_requests_are_done(store_and_config):
+@pytest.mark.parametrize("finished_first", [False, True], ids=["load-then-finish", "finish-then-load"])
+def test_pins_are_released_when_requests_are_done(store_and_config, finished_first):
     store, cfg = store_and_config
     writer = make_manager(store, cfg, holder="writer")
     store_keys(writer, [key(1)])
@@ -231,6 +227,10 @@ def test_pins_are_released_when_requests_are_done(store_and_config):
     reader.prepare_load([key(1)], ctx("a"))
     step(reader)
     assert pool.stats()["pinned"] == 1  # load in flight
+    if finished_first:  # (vLLM aborted the request): the load in flight still holds the pin
+        reader.on_request_finished(ctx("a"))
+        step(reader)
+        assert pool.stats()["pinned"] == 1
     reader.complete_load([key(1)], ctx("a"))
     reader.on_request_finished(ctx("a"))
     step(reader)
