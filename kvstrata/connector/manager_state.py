@@ -143,6 +143,7 @@ class ManagerState:
         self._reserve_target = config.engine.reserve_slots
         self._reserve_outstanding = 0
         self._reserve_cap = MAX_RESERVE_TARGET  # lowered by the store's answer
+        # request -> the chunks it holds a pin on or waits for: let go when it finishes.
         self._req_keys: defaultdict[str, set[bytes]] = defaultdict(set)
         # request -> the chunks it hit or stored: touched tail first when it finishes, so
         # the LRU order keeps each prefix's head longest.

@@ -149,9 +149,11 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         waiters = self._pin_waiters.get(key)
         if waiters is not None:
             waiters.add(req_id)
+            self._req_keys[req_id].add(key)  # so it stops waiting when it finishes
             return LookupResult.RETRY
         if key in self._mirror:
             self._pin_waiters[key] = {req_id}
+            self._req_keys[req_id].add(key)
             self._to_pin.append(key)
             return LookupResult.RETRY
         if self._view_as_of < arrived - self._max_view_age:
@@ -275,13 +277,14 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             used = self._req_used.pop(req_id, None)
             if used is not None:
                 self._touch_tail_first(used)
-            for key in self._req_keys.pop(req_id, ()):
+            for key in self._req_keys.pop(req_id, ()):  # what it held or waited for, no more
                 pin = self._pinned.get(key)
                 if pin is not None:
                     pin.requests.discard(req_id)
                     self._maybe_idle[key] = None
-            for waiters in self._pin_waiters.values():
-                waiters.discard(req_id)
+                waiters = self._pin_waiters.get(key)
+                if waiters is not None:
+                    waiters.discard(req_id)
 
     @override
     def reset_cache(self) -> None:

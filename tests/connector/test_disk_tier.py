@@ -89,6 +89,33 @@ def test_chunks_evicted_from_the_arena_come_back_from_disk_bit_exact(env):
         assert reader.get_load_source(key(1), ctx("later")) == load_source("CPU")  # already in the arena
 
 
+def test_a_request_that_ends_while_its_promotion_runs_leaves_no_pin_behind(env):
+    """vLLM aborts a request that is waiting (RETRY) for a chunk the store promotes from
+    disk. The promotion still lands; nobody waits for it any more, so its pin is released
+    at the next step instead of holding an arena slot for good."""
+    make_store, make_manager = env
+    store, cfg = make_store()
+    writer = make_manager(store, cfg, "writer")
+    store_chunks(store, writer, [key(1)])
+    assert store.wait_io(10)
+    push_out_of_arena(store, writer, [key(1)])
+    assert store.wait_io(10)
+    reader = make_manager(store, cfg, "reader")
+    assert reader.lookup(key(1), ctx("aborted")) is RETRY  # on disk only: promotion starts
+    reader.on_request_finished(ctx("aborted"))
+    pool = store.arena.pools[reader.namespace]
+    for _ in range(20):  # the promotion lands and is collected; then its pin goes
+        step(reader)
+        step(writer)  # engines acknowledge every step: the slots the promotion evicts free up
+        assert store.wait_io(10)
+        if pool.lookup(key(1)) is not None and not reader._pin_waiters:
+            break
+    step(reader)
+    step(reader)
+    assert pool.lookup(key(1)) is not None  # promoted
+    assert pool.stats()["pinned"] == 0 and key(1) not in reader._pinned
+
+
 def test_disk_events_carry_the_storage_medium_and_group(env):
     make_store, make_manager = env
     store, cfg = make_store()
