@@ -7,10 +7,11 @@ first when the request finishes (`_touch_tail_first`), and at the end of a step 
 the chunks no request or load holds (`_release_idle_pins`).
 
 Writes: `_req_used` (entries added), `_to_touch` (appended), `_pinned` (idle pins
-removed), `_maybe_idle` (emptied), `_out_unpin` (appended). Invariants: rule 1 -- a pin some request still holds,
-or with a load in flight, is never released; a pin of an older store epoch is forgotten,
-never unpinned (its slot means nothing to the new store); only chunks the mirror says
-are resident are touched. Called under the manager's lock, on the scheduler's thread
+removed), `_maybe_idle` (emptied), `_out_unpin` (appended). Invariants: rule 1 -- a pin
+some request still holds, or with a load in flight, is never released; every pin that
+loses its last holder is in `_maybe_idle` by the next step; a pin of an older store
+epoch is forgotten, never unpinned (its slot means nothing to the new store); only
+chunks the mirror says are resident are touched. Called under the manager's lock, on the scheduler's thread
 only; must not call the store (rule 2: the touches and unpins go out with the step's
 request) nor read the inbox.
 """
