@@ -59,17 +59,22 @@ def push_out_of_arena(store, manager, keys, start=100):
         assert i < start + 200
 
 
-def test_chunks_evicted_from_the_arena_come_back_from_disk_bit_exact(env):
+def on_disk_only(env, keys):
+    """A store whose `keys` were written by a writer and pushed out of the arena to its
+    disk, and a fresh reader: (store, writer, reader, the bytes written per key)."""
     make_store, make_manager = env
     store, cfg = make_store()
     writer = make_manager(store, cfg, "writer")
-    data = store_chunks(store, writer, [key(1), key(2)])
+    data = store_chunks(store, writer, keys)
     assert store.wait_io(10)
-    assert sorted(store.keys(writer.namespace, "STORAGE")) == sorted([key(1), key(2)])
-    push_out_of_arena(store, writer, [key(1), key(2)])
+    push_out_of_arena(store, writer, keys)
     assert store.wait_io(10)
+    return store, writer, make_manager(store, cfg, "reader"), data
 
-    reader = make_manager(store, cfg, "reader")
+
+def test_chunks_evicted_from_the_arena_come_back_from_disk_bit_exact(env):
+    store, writer, reader, data = on_disk_only(env, [key(1), key(2)])
+    assert {key(1), key(2)} <= set(store.keys(writer.namespace, "STORAGE"))
     assert reader.lookup(key(1), ctx()) is RETRY  # on disk only: promotion starts
     for _ in range(20):
         step(reader)
@@ -93,14 +98,7 @@ def test_a_request_that_ends_while_its_promotion_runs_leaves_no_pin_behind(env):
     """vLLM aborts a request that is waiting (RETRY) for a chunk the store promotes from
     disk. The promotion still lands; nobody waits for it any more, so its pin is released
     at the next step instead of holding an arena slot for good."""
-    make_store, make_manager = env
-    store, cfg = make_store()
-    writer = make_manager(store, cfg, "writer")
-    store_chunks(store, writer, [key(1)])
-    assert store.wait_io(10)
-    push_out_of_arena(store, writer, [key(1)])
-    assert store.wait_io(10)
-    reader = make_manager(store, cfg, "reader")
+    store, writer, reader, _ = on_disk_only(env, [key(1)])
     assert reader.lookup(key(1), ctx("aborted")) is RETRY  # on disk only: promotion starts
     reader.on_request_finished(ctx("aborted"))
     pool = store.arena.pools[reader.namespace]
@@ -130,16 +128,8 @@ def test_disk_events_carry_the_storage_medium_and_group(env):
 
 
 def test_a_corrupt_disk_chunk_is_a_miss_and_counted(env, tmp_path):
-    make_store, make_manager = env
-    store, cfg = make_store()
-    writer = make_manager(store, cfg, "writer")
-    store_chunks(store, writer, [key(1)])
-    assert store.wait_io(10)
-    push_out_of_arena(store, writer, [key(1)])
-    assert store.wait_io(10)
+    store, writer, reader, _ = on_disk_only(env, [key(1)])
     assert flip_disk_payload_bytes(tmp_path / "disk", stride=SLOT, key=key(1)) == 1
-
-    reader = make_manager(store, cfg, "reader")
     results = []
     for _ in range(10):
         results.append(reader.lookup(key(1), ctx()))
