@@ -34,6 +34,7 @@ from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 MISSED_PRUNE_AT = 4096  # recent misses kept before the expired ones are dropped
 
 logger = logging.getLogger(__name__)
+NOBODY: frozenset[str] = frozenset()  # `Pin.promoted_for` where no request waited on a promotion
 
 
 class ReplyInbox(ManagerState):
@@ -74,25 +75,28 @@ class ReplyInbox(ManagerState):
             self._resend_holds(request)
             self._receive(("failure", request, exc, sent_at))
 
-    def _pin_for_waiters(self, key: bytes, slot: int, recorded: bool = True) -> Pin:
+    def _pin_for_waiters(self, key: bytes, slot: int, recorded: bool = True, hit_by: str | None = None) -> Pin:
         """A new local pin of `key` at `slot` for the requests that waited on it, with the
-        tier a promotion they asked for brought it from (what vLLM reports as the source)."""
-        promoted_from = self._promoted.pop(key, CPU)
-        waiters = self._pin_waiters.pop(key, set())
-        if promoted_from != CPU and waiters:  # (a background probe's promotion is no hit)
-            self._counters["chunks_promoted"] += 1
-        for req_id in waiters:  # so a request that ends before its next lookup lets go
-            self._req_keys[req_id].add(key)
-        pin = Pin(
-            slot,
-            self._epoch,
-            requests=set(waiters),
-            promoted_from=promoted_from,
-            promoted_for=frozenset(waiters),
-            recorded=recorded,
-        )
+        tier a promotion they asked for brought it from (what vLLM reports as the source),
+        and for `hit_by`, a request that found it in the arena (not promoted for it).
+
+        Each waiter has the key in `_req_keys` since its lookup (pins.py), so it lets go
+        when it finishes. A pin no request holds (a background probe's, or every waiter
+        finished meanwhile) goes to `_maybe_idle`, released at the step's end."""
+        # (Most pins are HITs on arena chunks nobody waited on: no pops, no copies then.)
+        waiters = self._pin_waiters.pop(key, None) if self._pin_waiters else None
+        promoted_from = self._promoted.pop(key, CPU) if self._promoted else CPU
+        if waiters:
+            if promoted_from != CPU:  # (a background probe's promotion, waited on by nobody, is no hit)
+                self._counters["chunks_promoted"] += 1
+            requests, promoted_for = set(waiters), frozenset(waiters)
+        else:
+            requests, promoted_for = set(), NOBODY
+        if hit_by is not None:
+            requests.add(hit_by)
+        pin = Pin(slot, self._epoch, requests, 0, promoted_from, promoted_for, recorded)  # (positional: the hot path)
         self._pinned[key] = pin
-        if not waiters:  # a background probe's, or every waiter finished meanwhile
+        if not requests:
             self._maybe_idle[key] = None
         return pin
 
@@ -172,10 +176,7 @@ class ReplyInbox(ManagerState):
             if held is None:
                 self._pin_for_waiters(key, slot)
             else:
-                waiters = self._pin_waiters.pop(key, set())
-                held.requests |= waiters
-                for req_id in waiters:  # so each lets go when it finishes
-                    self._req_keys[req_id].add(key)
+                held.requests |= self._pin_waiters.pop(key, set())  # in `_req_keys` since their lookups
                 if held.slot != slot:
                     self._out_unpin.append(slot)
         now = self._clock()

@@ -120,10 +120,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             # pin goes out with the next control call, before this engine acknowledges
             # any later view; until then deferred slot reuse keeps the slot's bytes.
             # (A promotion this engine asked for may have reached the mirror first.)
-            if key in self._pin_waiters or key in self._promoted:
-                self._pin_for_waiters(key, slot, recorded=False).requests.add(req_id)
-            else:  # nobody waited on it: the same pin, built directly
-                self._pinned[key] = Pin(slot, self._epoch, requests={req_id}, recorded=False)
+            self._pin_for_waiters(key, slot, recorded=False, hit_by=req_id)
             self._to_hold.append((key, slot))
             self._req_keys[req_id].add(key)
             self._note_used(key, req_context)
