@@ -154,25 +154,24 @@ class LoadAdmission:
                 bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + self.chunk_bytes
                 lower_keys.setdefault(tier, []).append(key)
         costs = self.current_costs(now)
-        rate = self.recompute_tokens_per_second
-        load, _ = break_even(bytes_by_tier, end - start, costs, rate, self.safety_margin, self.stale_seconds)
-        stale = [tier for tier in bytes_by_tier if tier in costs and costs[tier].age_seconds > self.stale_seconds]
-        if load and stale and not break_even(bytes_by_tier, end - start, costs, rate, self.safety_margin, math.inf)[0]:
-            # Only staleness says load, and what each tier delivered when last measured
-            # says recompute: recompute, and measure the stale tiers again in the
-            # background by promoting this request's chunks from them, with no request
-            # waiting on them. (Loading would make this request wait like `always`.)
-            load = False
-            for tier in stale:
-                if now - self._probed_at.get(tier, -math.inf) > self.stale_seconds:
-                    self._probed_at[tier] = now
-                    self._probes.extend(lower_keys[tier])
-                    self.counters["chunks_probed"] += len(lower_keys[tier])
+        # What each tier delivered when last measured, however long ago: a stale estimate
+        # that says load is loaded (which measures it), one that says recompute is
+        # followed, and the tier is measured again in the background, by promoting this
+        # request's chunks from it with no request waiting on them.
+        load, _ = break_even(
+            bytes_by_tier, end - start, costs, self.recompute_tokens_per_second, self.safety_margin, math.inf
+        )
         self._cuts[req_id] = None if load else position
-        if not load:
-            for tier, keys in lower_keys.items():
-                self.counters[f"loads_skipped_{tier}"] += len(keys)
-        return not load
+        if load:
+            return False
+        for tier, keys in lower_keys.items():  # each has an estimate: break_even loads without one
+            self.counters[f"loads_skipped_{tier}"] += len(keys)
+            stale = costs[tier].age_seconds > self.stale_seconds
+            if stale and now - self._probed_at.get(tier, -math.inf) > self.stale_seconds:
+                self._probed_at[tier] = now
+                self._probes.extend(keys)
+                self.counters["chunks_probed"] += len(keys)
+        return True
 
     def take_probes(self) -> list[bytes]:
         """Chunks to promote in the background, no request waiting on them (the manager
