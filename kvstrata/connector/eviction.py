@@ -11,9 +11,9 @@ removed), `_maybe_idle` (emptied), `_out_unpin` (appended). Invariants: rule 1 -
 some request still holds, or with a load in flight, is never released; every pin that
 loses its last holder is in `_maybe_idle` by the next step; a pin of an older store
 epoch is forgotten, never unpinned (its slot means nothing to the new store); only
-chunks the mirror says are resident are touched. Called under the manager's lock, on the scheduler's thread
-only; must not call the store (rule 2: the touches and unpins go out with the step's
-request) nor read the inbox.
+chunks the mirror says are resident are touched. Called under the manager's lock, on
+the scheduler's thread only; must not call the store (rule 2: the touches and unpins go
+out with the step's request) nor read the inbox.
 """
 
 from __future__ import annotations
