@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -177,6 +178,46 @@ class CopyEngine:
             # Read the threshold now (not at import) so tests can lower it.
             self.executor = HostRowExecutor(copy_threads, native, parallel_min_bytes=PARALLEL_MIN_BYTES)
             self.native = self.executor.native
+
+    @classmethod
+    def from_canonical(
+        cls,
+        kv_caches: Any,
+        blocks_per_chunk: int,
+        rank: int,
+        rank_stride: int,
+        copy_threads: int = 1,
+        gpu_copy: GpuCopy = "auto",
+    ) -> CopyEngine:
+        """The engine for vLLM's `CanonicalKVCaches`, exactly as `StrataWorker` builds it.
+
+        Duck-typed (`kv_caches.tensors[i].tensor / .page_size_bytes`,
+        `kv_caches.group_data_refs[g][j].tensor_idx / .page_size_bytes`), so the GPU check
+        (`kvstrata.gpucheck`) drives the worker's own path on a machine without vLLM.
+        Each canonical tensor becomes `(num_blocks, page_size_bytes)` int8 rows; a group
+        copies each ref's un-padded `page_size_bytes` of a page.
+        """
+        tensors = [entry.tensor.view(torch.int8).view(-1, entry.page_size_bytes) for entry in kv_caches.tensors]
+        group_refs = [
+            [GroupRef(ref.tensor_idx, ref.page_size_bytes) for ref in refs] for refs in kv_caches.group_data_refs
+        ]
+        return cls(
+            tensors,
+            group_refs,
+            blocks_per_chunk=blocks_per_chunk,
+            rank=rank,
+            rank_stride=rank_stride,
+            copy_threads=copy_threads,
+            gpu_copy=gpu_copy,
+        )
+
+    def slot_fill(self) -> list[float]:
+        """Per group, the share of a slot's rank part its pages fill (for the start-up log).
+
+        A slot holds every tensor's page of a block (as vLLM sizes its CPU slots); a group
+        that spans fewer tensors, or un-padded pages, leaves part of it unused."""
+        block_bytes = sum(self.layout.page_bytes)
+        return [sum(ref.ref_bytes for ref in refs) / block_bytes for refs in self.group_refs]
 
     # --- planning ----------------------------------------------------------------
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from kvstrata.connector.compat import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -21,7 +19,7 @@ from kvstrata.connector.compat import (
     TransferResult,
     override,
 )
-from kvstrata.connector.copy_engine import CopyEngine, GroupRef
+from kvstrata.connector.copy_engine import CopyEngine
 from kvstrata.connector.manager import ArenaSlotsSpec
 from kvstrata.keys import Layout
 
@@ -32,31 +30,20 @@ class StrataWorker(OffloadingWorker):
     def __init__(
         self, kv_caches: CanonicalKVCaches, layout: Layout, rank: int, copy_threads: int = 1, gpu_copy: str = "auto"
     ):
-        tensors = [
-            entry.tensor.view(torch.int8).view(-1, entry.page_size_bytes) for entry in kv_caches.tensors
-        ]
-        group_refs = [
-            [GroupRef(ref.tensor_idx, ref.page_size_bytes) for ref in refs] for refs in kv_caches.group_data_refs
-        ]
-        self.engine = CopyEngine(
-            tensors,
-            group_refs,
+        self.engine = CopyEngine.from_canonical(
+            kv_caches,
             blocks_per_chunk=layout.blocks_per_chunk,
             rank=rank,
             rank_stride=layout.rank_bytes,
             copy_threads=copy_threads,
             gpu_copy=gpu_copy,
         )
-        # A slot holds every tensor's page of a block (as vLLM sizes its CPU slots); a
-        # group that spans fewer tensors, or un-padded pages, leaves part of it unused.
-        block_bytes = sum(tensor.shape[1] for tensor in tensors)
-        fill = [sum(ref.ref_bytes for ref in refs) / block_bytes for refs in group_refs]
         logger.info(
             "kvstrata worker rank %d: %d KV tensors, %d groups filling %s of a slot, %s copies",
             rank,
-            len(tensors),
-            len(group_refs),
-            "/".join(f"{share:.0%}" for share in fill),
+            len(self.engine.tensors),
+            len(self.engine.group_refs),
+            "/".join(f"{share:.0%}" for share in self.engine.slot_fill()),
             self.engine.describe(),
         )
 

@@ -351,6 +351,26 @@ def test_kernel_executor_refuses_stores_and_unaligned_rows(device):
         ex.submit(3, "load", descriptors(dst, [4], src, [0], [KIB]))
 
 
+def test_a_kernel_executor_built_for_stores_copies_them_on_the_store_stream(device):
+    """The GPU benchmark measures kernel stores beside DMA; the engine's rule never sends them."""
+    src, dst = buffers()
+    ex = KernelExecutor(
+        "cpu",
+        ledger=JobLedger(device),
+        launch=device.launch,
+        pool=PinnedPool(alloc=lambda n: torch.empty(n, dtype=torch.int64)),
+        directions=("load", "store"),
+    )
+    offs, sizes = pages(0, count=8)
+    ex.submit(1, "store", descriptors(dst, offs, src, offs, sizes))
+    ex.wait({1})
+    (done,) = ex.finished()
+    assert done.success and done.num_bytes == sum(sizes)
+    for off, size in zip(offs, sizes):
+        assert np.array_equal(dst[off : off + size], src[off : off + size])
+    assert not dst[KIB : 2 * KIB].any()  # between the pages: untouched
+
+
 def test_router_sends_small_loads_to_the_kernel_and_keeps_one_load_order(device):
     src, dst = buffers(512 * KIB)
     ledger = JobLedger(device)

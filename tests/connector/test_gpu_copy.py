@@ -15,7 +15,7 @@ import torch
 from kvstrata.connector.copy.choice import make_cuda_executor
 from kvstrata.connector.copy.descriptors import Descriptors
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 KIB = 1024
 PAGE_SIZES = [8 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, 2048 * KIB]

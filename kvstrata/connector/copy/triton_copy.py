@@ -1,9 +1,11 @@
-"""Moves a load's descriptors with a Triton copy kernel (host pinned memory -> GPU).
+"""Moves a transfer's descriptors with a Triton copy kernel (pinned host memory <-> GPU).
 
 Why a kernel: for many small rows (KV pages under ~28 KiB) a few SMs reading mapped
 host memory beat the DMA engines, whose cost per descriptor dominates there (vLLM
-measured the crossover on H100; the rule lives in choice.py). Stores never use it: the
-DMA engines win GPU -> host, and a store must not take SMs from the forward pass.
+measured the crossover on H100; the rule lives in choice.py). The engine's rule sends
+stores by DMA (a store must not take SMs from the forward pass); an executor built with
+`directions=("load", "store")` also copies GPU -> host, which the GPU benchmark measures
+beside DMA so the rule follows the figures.
 
 The kernel: a fixed number of programs (a small SM slice) walk the descriptor table
 [dst... | src... | sizes...] (int64); each program takes rows pid, pid + P, ... and
@@ -138,7 +140,8 @@ def _pinned_int64(words: int) -> torch.Tensor:
 
 
 class KernelExecutor:
-    """submit / finished / wait / close over the Triton kernel; loads only."""
+    """submit / finished / wait / close over the Triton kernel; `directions` it accepts
+    (loads only unless asked: the rule in choice.py never sends it a store)."""
 
     def __init__(
         self,
@@ -150,6 +153,7 @@ class KernelExecutor:
         pool: PinnedPool | None = None,
         programs: int = NUM_PROGRAMS,
         chunk_words: int = CHUNK_WORDS,
+        directions: tuple[str, ...] = ("load",),
     ):
         if launch is None and triton is None:
             raise RuntimeError("the Triton copy kernel needs triton installed; use gpu_copy: dma")
@@ -165,11 +169,12 @@ class KernelExecutor:
             raise ValueError("programs must be >= 1 and chunk_words a power of two")
         self.programs = programs
         self.chunk_words = chunk_words
+        self.directions = tuple(directions)
 
     def submit(self, job_id: int, direction: str, desc: Descriptors) -> None:
-        """Queue the load on the load stream: table to the GPU, then the kernel."""
-        if direction != "load":
-            raise ValueError("the copy kernel does loads only; stores go by DMA")
+        """Queue the transfer on its direction's stream: table to the GPU, then the kernel."""
+        if direction not in self.directions:
+            raise ValueError(f"this copy kernel executor does {' and '.join(d + 's' for d in self.directions)} only, not {direction}s")
         check_descriptors(desc)
         align16 = check_words(desc)
         rows = desc.rows
@@ -186,7 +191,7 @@ class KernelExecutor:
         launch, device, programs, words = self._launch, self.device, self.programs, self.chunk_words
 
         def enqueue(stream: Any) -> None:
-            # Inside the load stream's context: the copy and the kernel queue there, and
+            # Inside the direction's stream context: the copy and the kernel queue there, and
             # the device table is allocated for that stream.
             on_device = buffer[: 3 * rows].to(device, non_blocking=True)
             staged.append(on_device)

@@ -1,0 +1,78 @@
+"""How many programs the Triton copy kernel should run: GB/s of kernel loads and stores,
+and a GEMM loop's slowdown beside them, per program count, beside the DMA executor and
+the contiguous copy of the same run.
+
+The kernel's program count is the SMs it takes from the forward pass (FIELD_NOTES: 8
+programs 33-37 GB/s, 16 programs 46-50 GB/s on an H100). This picks the smallest count
+within reach of the link whose GEMM slowdown stays under the goal.
+
+    python benchmarks/gpu_kernel_sweep.py [--programs 8,12,16,24,32] [--pages-kib 8,64]
+
+CUDA only; torch and Triton (no vLLM, no Ray). Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from gpu_copy import print_table
+from gpu_copy_cuda import CudaBuffers, Runner, best_of, descriptors, gemm_interference, half
+
+from kvstrata.connector.copy.cuda_dma import CudaDmaExecutor
+from kvstrata.connector.copy.triton_copy import KernelExecutor
+
+MIB = 1 << 20
+COLUMNS = ["page KiB", "programs", "load GB/s", "store GB/s", "both GB/s", "gemm +%", "dma load", "dma store", "ref"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--programs", default="8,12,16,24,32")
+    parser.add_argument("--pages-kib", default="8,64")
+    parser.add_argument("--total-mib", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    total = args.total_mib * MIB
+    buffers = CudaBuffers.allocate(total)
+    rows = []
+    try:
+        for page in (int(p) * 1024 for p in args.pages_kib.split(",")):
+            pages = total // page
+            gpu, host = buffers.gpu[: page * pages], buffers.host[: page * pages]
+            store, load = descriptors(page, pages, gpu.data_ptr(), host.data_ptr())
+            dma = CudaDmaExecutor()
+            run = Runner(dma)
+            gbps = lambda s: page * pages / s / 1e9  # noqa: E731
+
+            def ref() -> None:
+                torch.cuda.synchronize()
+                gpu.copy_(host, non_blocking=True)
+                torch.cuda.synchronize()
+
+            run.jobs([(dma, "store", store)])()
+            dma_load = gbps(best_of(args.repeats, run.jobs([(dma, "load", load)])))
+            dma_store = gbps(best_of(args.repeats, run.jobs([(dma, "store", store)])))
+            reference = gbps(best_of(args.repeats, ref))
+            for programs in (int(p) for p in args.programs.split(",")):
+                kernel = KernelExecutor(ledger=dma.ledger, programs=programs, directions=("load", "store"))
+                run.jobs([(kernel, "load", load)])()  # compiled once, then cached
+                k_load = gbps(best_of(args.repeats, run.jobs([(kernel, "load", load)])))
+                k_store = gbps(best_of(args.repeats, run.jobs([(kernel, "store", store)])))
+                both_jobs = [(kernel, "store", half(store, True)), (kernel, "load", half(load, False))]
+                both_seconds = best_of(args.repeats, run.jobs(both_jobs))
+                rounds = max(1, min(16, math.ceil(0.04 / both_seconds)))
+                gemm, _ = gemm_interference(run, both_jobs, rounds, args.repeats)
+                rows.append([page // 1024, programs, k_load, k_store, gbps(both_seconds), 100 * gemm, dma_load, dma_store, reference])
+                print("  " + ", ".join(f"{c} {v:.2f}" if isinstance(v, float) else f"{c} {v}" for c, v in zip(COLUMNS, rows[-1])), flush=True)
+            dma.close()
+    finally:
+        buffers.close()
+    print_table(f"Triton copy kernel by program count, {torch.cuda.get_device_name()}", COLUMNS, rows)
+
+
+if __name__ == "__main__":
+    main()
