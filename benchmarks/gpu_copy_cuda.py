@@ -14,7 +14,9 @@ arena is. Wall clock from the first submit to `wait`, best of --repeats:
 
 Then the forward pass's view: a loop of bf16 8192x8192 GEMMs on a compute stream, alone
 and while `rounds` of `both` run (sized so the copies last ~40 ms), giving the GEMMs'
-slowdown and the copies' own; and the CPU time `submit` holds its thread per 256 MiB.
+slowdown and the copies' own, beside the GEMMs' slowdown under contiguous copies of the
+same bytes on the copy engines (the reference: what moving bytes at all costs them); and
+the CPU time `submit` holds its thread per 256 MiB.
 """
 
 from __future__ import annotations
@@ -177,9 +179,12 @@ def measure(page: int, pages: int, buffers: CudaBuffers, args: argparse.Namespac
     row["store/ref"] = row["store dma"] / row["store ref"]
     row["load/ref"] = row["load auto"] / row["load ref"]
     rounds = max(1, min(16, math.ceil(COPY_SECONDS / both_seconds)))
-    gemm_slowdown, copy_slowdown = gemm_interference(run, both_jobs, rounds, r)
+    gemm_slowdown, copy_slowdown = gemm_interference(*job_copies(run, both_jobs, rounds), r)
     row["gemm +%"] = 100 * gemm_slowdown
     row["copies -%"] = 100 * copy_slowdown
+    ref_round_seconds = total / 2 / (row["store ref"] * 1e9)  # half the bytes each way, at once
+    ref_rounds = max(1, min(64, math.ceil(COPY_SECONDS / ref_round_seconds)))
+    row["gemm +% ref"] = 100 * gemm_interference(*contiguous_copies(gpu, host, ref_rounds), r)[0]
     load_label = "load kernel" if auto_by == "kernel" else "load dma"
     cpu = max(run.submit_cpu.get("store", NAN), run.submit_cpu.get(load_label, NAN))
     row["submit ms/256MiB"] = 1000 * cpu * (256 * MIB / total)
@@ -187,12 +192,15 @@ def measure(page: int, pages: int, buffers: CudaBuffers, args: argparse.Namespac
     return row
 
 
-def gemm_interference(run: Runner, jobs: list, rounds: int, repeats: int) -> tuple[float, float]:
-    """(GEMM slowdown, copy slowdown) when `rounds` of `jobs` run beside a GEMM loop.
+def gemm_interference(alone: Callable[[], None], beside: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """(GEMM slowdown, copy slowdown) when copies run beside a GEMM loop.
 
-    The GEMMs run on their own stream, queued first; the copies are submitted from this
+    `alone` runs the copies from an idle device and waits for them; `beside` queues the
+    same copies without synchronizing the device first and waits for them only. The
+    GEMMs run on their own stream, queued first; the copies are submitted from this
     thread, whose current stream is idle, so they wait for nothing (a worker's copies
-    wait only for work queued before them) and the two overlap on the device.
+    wait only for work queued before them) and the two overlap on the device. The loop
+    is sized to last as long as the copies alone.
     """
     a = torch.randn(GEMM_N, GEMM_N, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(GEMM_N, GEMM_N, dtype=torch.bfloat16, device="cuda")
@@ -214,8 +222,7 @@ def gemm_interference(run: Runner, jobs: list, rounds: int, repeats: int) -> tup
     start, end = gemms(10)
     end.synchronize()
     per_gemm = start.elapsed_time(end) / 1000 / 10
-    copies = run.jobs(jobs, rounds)
-    copy_alone = best_of(repeats, copies)
+    copy_alone = best_of(repeats, alone)
     count = max(10, math.ceil(copy_alone / per_gemm) + 2)
     gemm_alone = math.inf
     for _ in range(repeats):
@@ -227,12 +234,39 @@ def gemm_interference(run: Runner, jobs: list, rounds: int, repeats: int) -> tup
         torch.cuda.synchronize()
         start, end = gemms(count)
         began = time.perf_counter()
-        copies_no_sync(run, jobs, rounds)
+        beside()
         copy_with = min(copy_with, time.perf_counter() - began)
         end.synchronize()
         gemm_with = min(gemm_with, start.elapsed_time(end))
     del a, b, c
     return gemm_with / gemm_alone - 1, copy_with / copy_alone - 1
+
+
+def job_copies(run: Runner, jobs: list, rounds: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(alone, beside) for gemm_interference: `rounds` of the executors' jobs."""
+    return run.jobs(jobs, rounds), lambda: copies_no_sync(run, jobs, rounds)
+
+
+def contiguous_copies(gpu: torch.Tensor, host: torch.Tensor, rounds: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(alone, beside): the reference, `rounds` of one contiguous copy each way (half the
+    bytes each), on two streams of their own: the copy engines alone, no descriptors."""
+    cut = gpu.numel() // 2
+    out_stream, in_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def beside() -> None:
+        for _ in range(rounds):
+            with torch.cuda.stream(out_stream):
+                host[:cut].copy_(gpu[:cut], non_blocking=True)
+            with torch.cuda.stream(in_stream):
+                gpu[cut:].copy_(host[cut:], non_blocking=True)
+        out_stream.synchronize()
+        in_stream.synchronize()
+
+    def alone() -> None:
+        torch.cuda.synchronize()
+        beside()
+
+    return alone, beside
 
 
 def copies_no_sync(run: Runner, jobs: list, rounds: int) -> None:

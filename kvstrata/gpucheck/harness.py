@@ -52,6 +52,7 @@ from kvstrata.tiers.arena import Arena, SlotPool
 HOLDER = "gpucheck"
 MAX_IN_FLIGHT = 4
 MAX_FAILURES = 20  # per run: enough to see a pattern, short enough to read
+SLOT_PADDING = 1032
 SLEEP_CYCLES = 1_000_000  # ~0.5 ms of a busy compute stream before each write
 
 
@@ -133,7 +134,10 @@ class WorkerHarness:
         folder = tempfile.mkdtemp(prefix="kvstrata-gpucheck-", dir=self.shm_root)
         arena = None
         try:
-            slot_bytes = self.layout.rank_bytes
+            # A slot a little longer than this rank's part, 8- but not 16-byte aligned: every
+            # other slot then starts off 16, and segments (3 slots) are not whole host pages,
+            # as with padded pages or a world size that does not divide evenly.
+            slot_bytes = self.layout.rank_bytes + SLOT_PADDING
             self.report.slot_mib = slot_bytes / 2**20
             capacity_slots = 6 * MAX_IN_FLIGHT + 8
             arena = Arena(folder, "gpucheck", capacity_slots * slot_bytes, 3 * slot_bytes, lease_seconds=3600, prefault=False)

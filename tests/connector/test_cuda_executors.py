@@ -506,6 +506,18 @@ def test_register_range_raises_naming_the_error_and_pinning_accepts_a_tensor():
     assert pinning.split_pieces(0, 10, 4) == [(0, 4), (4, 4), (8, 2)]
 
 
+def test_a_page_aligned_range_is_registered_in_whole_pages():
+    """CUDA refused a 30,720-byte arena segment (cudaErrorInvalidValue, H200, driver 580):
+    a mapping covers whole pages, so the length is rounded up to the next page."""
+    fake = FakeCudart()
+    pins = pinning.Pinning(fake.cudart())
+    page = pinning.HOST_PAGE
+    assert pins.register_range(16 * page, 7 * page + page // 2)
+    assert pins.register_range(64 * page + 64, 100)  # not page-aligned (a tensor): as given
+    assert fake.calls == [(16 * page, 8 * page, 0), (64 * page + 64, 100, 0)]
+    pins.close()
+
+
 # --- the Triton kernel under the interpreter --------------------------------------------
 
 _INTERPRETED = r"""
@@ -517,18 +529,18 @@ raw_dst = np.zeros_like(raw_src)
 src = raw_src[-raw_src.ctypes.data % 16:][: 1 << 20]   # 16-byte aligned views
 dst = raw_dst[-raw_dst.ctypes.data % 16:][: 1 << 20]
 n = 40
-for align16, unit, shift in ((False, 8, 8), (True, 16, 16)):
+for align16, unit, shift, rows_per_step in ((False, 8, 8, 1), (True, 16, 16, 1), (False, 8, 8, 4), (True, 16, 16, 8)):
     dst[:] = 0
     sizes = rng.integers(1, 300, n).astype(np.int64) * unit   # up to 4.8 KiB, multiples of unit
     dst_off = rng.permutation(n).astype(np.int64) * 8192     # scattered, non-overlapping rows
     src_off = rng.permutation(n).astype(np.int64) * 8192 + shift
     table = torch.from_numpy(np.concatenate([dst.ctypes.data + dst_off, src.ctypes.data + src_off, sizes]))
-    triton_copy.triton_launch(table, n, programs=3, chunk_words=64, align16=align16)  # rows > programs, > chunk
+    triton_copy.triton_launch(table, n, programs=3, chunk_words=64, align16=align16, rows_per_step=rows_per_step)
     expect = np.zeros_like(dst)
     for d, s, k in zip(dst_off, src_off, sizes):
         expect[d:d + k] = src[s:s + k]
-    assert (dst == expect).all(), f"byte mismatch (align16={align16})"
-    print("EXACT", align16, int(sizes.sum()))
+    assert (dst == expect).all(), f"byte mismatch (align16={align16}, rows_per_step={rows_per_step})"
+    print("EXACT", align16, rows_per_step, int(sizes.sum()))
 """
 
 
@@ -539,7 +551,8 @@ def test_triton_kernel_copies_random_descriptors_byte_exact_under_the_interprete
         [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, timeout=600, env=env, cwd=os.getcwd()
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "EXACT False" in out.stdout and "EXACT True" in out.stdout
+    for variant in ("False 1", "True 1", "False 4", "True 8"):
+        assert f"EXACT {variant} " in out.stdout, out.stdout
 
 
 def test_triton_kernel_compiles_for_sm90_with_16_byte_accesses_only_when_aligned(tmp_path, monkeypatch):
@@ -552,11 +565,11 @@ def test_triton_kernel_compiles_for_sm90_with_16_byte_accesses_only_when_aligned
     from kvstrata.connector.copy.triton_copy import copy_rows_kernel
 
     accesses = {}
-    for align16 in (False, True):
+    for align16, rows_per_step in ((False, 1), (True, 1), (False, 4), (True, 4)):
         source = ASTSource(
             fn=copy_rows_kernel,
-            signature={"table": "*i64", "rows": "i32", "WORDS": "constexpr", "ALIGN16": "constexpr"},
-            constexprs={"WORDS": 512, "ALIGN16": align16},
+            signature={"table": "*i64", "rows": "i32", "WORDS": "constexpr", "ALIGN16": "constexpr", "ROWS": "constexpr"},
+            constexprs={"WORDS": 512, "ALIGN16": align16, "ROWS": rows_per_step},
         )
         try:
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
@@ -564,9 +577,12 @@ def test_triton_kernel_compiles_for_sm90_with_16_byte_accesses_only_when_aligned
             pytest.skip(f"cannot compile for sm_90 here: {exc}")
         assert compiled.asm["cubin"]
         ptx = compiled.asm["ptx"]
-        accesses[align16] = {w for line in ptx.splitlines() for w in line.split() if w.startswith(("ld.global", "st.global"))}
-    assert "st.global.v2.b64" in accesses[True] and "ld.global.v2.b64" in accesses[True]
-    assert "st.global.b64" in accesses[False] and not any(".v2." in a for a in accesses[False])
+        found = {w for line in ptx.splitlines() for w in line.split() if w.startswith(("ld.global", "st.global"))}
+        accesses[align16, rows_per_step] = found
+    for rows_per_step in (1, 4):
+        aligned, unaligned = accesses[True, rows_per_step], accesses[False, rows_per_step]
+        assert "st.global.v2.b64" in aligned and "ld.global.v2.b64" in aligned, (rows_per_step, aligned)
+        assert "st.global.b64" in unaligned and not any(".v2." in a for a in unaligned), (rows_per_step, unaligned)
 
 
 def test_kernel_executor_launches_the_16_byte_variant_only_when_every_row_allows_it(device):

@@ -14,7 +14,11 @@ Invariants:
     from pageable memory, so the failure is logged once per worker and counted in
     `Pinning.failures`; `register_range` (the primitive) does raise `HostRegisterError`;
   * a failed cudaHostRegister leaves its error as the runtime's "last error", which torch
-    would report at its next kernel launch; the error is cleared right away.
+    would report at its next kernel launch; the error is cleared right away;
+  * a page-aligned range is registered up to its next page boundary: CUDA refuses a
+    length that is not a whole number of host pages (cudaErrorInvalidValue, seen on an
+    H200 with driver 580 for a 30,720-byte arena segment), and a mapping always covers
+    whole pages, so the rounded range stays inside it.
 
 Torch only (the cudart functions come from torch.cuda.cudart()); every CUDA function is
 injectable so the piece split and the rollback are tested on a CPU machine.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ GIB = 1 << 30
 PIECE_BYTES = 64 * GIB
 HOST_REGISTER_DEFAULT = 0
 HOST_REGISTER_PORTABLE = 1
+HOST_PAGE = mmap.PAGESIZE
 
 # cudaError_t values a registration can meet, by name (torch binds cudaGetErrorString,
 # which gives the sentence, but not cudaGetErrorName).
@@ -175,6 +181,8 @@ class Pinning:
     def register_range(self, ptr: int, nbytes: int) -> bool:
         if ptr in self._pieces:
             return True
+        if ptr % HOST_PAGE == 0:
+            nbytes = -(-nbytes // HOST_PAGE) * HOST_PAGE  # whole pages: see the module docstring
         start = time.perf_counter()
         try:
             pieces = register_range(self.cudart, ptr, nbytes, self.flags, self.piece_bytes)

@@ -25,6 +25,7 @@ No vLLM import; Triton is optional (KernelExecutor refuses to start without it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,9 @@ except ImportError:  # the DMA executor alone still works
 # A small SM slice (vLLM: the smallest within 5% of peak at 8-32 KiB rows on H100) so
 # loads leave the rest of the GPU to the forward pass.
 NUM_PROGRAMS = 12
-CHUNK_WORDS = 512  # 4 KiB per inner step; 4 warps -> 4 int64 words per thread
+CHUNK_WORDS = 512  # 4 KiB per row per inner step; 4 warps -> 4 int64 words per thread
+ROWS_PER_STEP = 1  # rows a program moves at once
+NUM_WARPS = 4
 MIN_TABLE_ROWS = 1024  # pinned buffers hold at least this many rows (3 int64 each)
 
 # launch(table, rows, programs, chunk_words, align16): queue the copy on the current stream.
@@ -54,35 +57,52 @@ Launch = Callable[[torch.Tensor, int, int, int, bool], None]
 if triton is not None:
 
     @triton.jit
-    def copy_rows_kernel(table, rows, WORDS: tl.constexpr, ALIGN16: tl.constexpr):
+    def copy_rows_kernel(table, rows, WORDS: tl.constexpr, ALIGN16: tl.constexpr, ROWS: tl.constexpr = 1):
         """Row r copies table[2R + r] bytes from table[R + r] to table[r] (R = rows).
 
-        ALIGN16 promises every address and size is a multiple of 16 bytes: the compiler
-        then moves two words per access (ld/st.global.v2.b64) instead of one.
+        Each program moves ROWS consecutive rows at once ([ROWS, WORDS] words per step),
+        then jumps ahead by the grid: more rows in flight per program is what a load
+        from host memory needs (its reads wait ~1-2 us on the link), without taking more
+        SMs. ALIGN16 promises every address and size is a multiple of 16 bytes: the
+        compiler then moves two words per access (ld/st.global.v2.b64) instead of one.
         """
         offsets = tl.arange(0, WORDS)
-        row = tl.program_id(0)
-        step = tl.num_programs(0)
-        while row < rows:
-            dst = tl.load(table + row).to(tl.pointer_type(tl.int64))
-            src = tl.load(table + rows + row).to(tl.pointer_type(tl.int64))
-            words = tl.load(table + 2 * rows + row) // 8
+        lanes = tl.arange(0, ROWS)
+        first_row = tl.program_id(0) * ROWS
+        step = tl.num_programs(0) * ROWS
+        while first_row < rows:
+            row = first_row + lanes
+            live = row < rows
+            dst = tl.load(table + row, mask=live, other=0).to(tl.pointer_type(tl.int64))
+            src = tl.load(table + rows + row, mask=live, other=0).to(tl.pointer_type(tl.int64))
+            words = tl.load(table + 2 * rows + row, mask=live, other=0) // 8
             if ALIGN16:
                 dst = tl.multiple_of(dst, 16)
                 src = tl.multiple_of(src, 16)
                 words = tl.multiple_of(words, 2)
-            for first in range(0, words, WORDS):
+            longest = tl.max(words, axis=0)
+            for first in range(0, longest, WORDS):
                 index = tl.max_contiguous(tl.multiple_of(first + offsets, 2), WORDS)
-                inside = index < words
-                tl.store(dst + index, tl.load(src + index, mask=inside, other=0), mask=inside)
-            row += step
+                inside = index[None, :] < words[:, None]
+                values = tl.load(src[:, None] + index[None, :], mask=inside, other=0)
+                tl.store(dst[:, None] + index[None, :], values, mask=inside)
+            first_row += step
 
 
-def triton_launch(table: torch.Tensor, rows: int, programs: int, chunk_words: int, align16: bool = False) -> None:
+def triton_launch(
+    table: torch.Tensor,
+    rows: int,
+    programs: int,
+    chunk_words: int,
+    align16: bool = False,
+    rows_per_step: int = 1,
+    warps: int = 4,
+) -> None:
     """Launch `copy_rows_kernel` on the current stream (Triton uses torch's)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    copy_rows_kernel[(max(1, min(programs, rows)),)](table, rows, WORDS=chunk_words, ALIGN16=align16)
+    grid = (max(1, min(programs, -(-rows // rows_per_step))),)
+    copy_rows_kernel[grid](table, rows, WORDS=chunk_words, ALIGN16=align16, ROWS=rows_per_step, num_warps=warps)
 
 
 def reference_copy(table: np.ndarray, rows: int) -> None:
@@ -154,6 +174,8 @@ class KernelExecutor:
         programs: int = NUM_PROGRAMS,
         chunk_words: int = CHUNK_WORDS,
         directions: tuple[str, ...] = ("load",),
+        rows_per_step: int = ROWS_PER_STEP,
+        warps: int = NUM_WARPS,
     ):
         if launch is None and triton is None:
             raise RuntimeError("the Triton copy kernel needs triton installed; use gpu_copy: dma")
@@ -163,7 +185,13 @@ class KernelExecutor:
         if device is None:
             device = getattr(ledger.ops, "device", "cuda")
         self.device = torch.device(device)
-        self._launch = launch if launch is not None else triton_launch
+        if rows_per_step < 1 or rows_per_step & (rows_per_step - 1):
+            raise ValueError(f"rows_per_step must be a power of two, got {rows_per_step}")
+        self.rows_per_step = rows_per_step
+        self.warps = warps
+        self._launch = (
+            launch if launch is not None else functools.partial(triton_launch, rows_per_step=rows_per_step, warps=warps)
+        )
         self.pool = pool if pool is not None else PinnedPool()
         if programs < 1 or chunk_words < 1 or chunk_words & (chunk_words - 1):
             raise ValueError("programs must be >= 1 and chunk_words a power of two")
