@@ -9,8 +9,8 @@ arena is. Wall clock from the first submit to `wait`, best of --repeats:
   * batch:  one raw `cuMemcpyBatchAsync` of the same rows on a stream (no executor);
   * dma:    CudaDmaExecutor (stores and loads), what the engine's stores use;
   * kernel: KernelExecutor, the Triton copy kernel (loads; stores too, to measure them);
-  * auto:   the load as engine.gpu_copy=auto routes it (kernel or DMA);
-  * both:   a DMA store of half the pages and an auto load of the other half at once.
+  * auto:   the transfer as engine.gpu_copy=auto routes it (kernel or DMA), what a worker runs;
+  * both:   an auto store of half the pages and an auto load of the other half at once.
 
 Then the forward pass's view: a loop of bf16 8192x8192 GEMMs on a compute stream, alone
 and while `rounds` of `both` run (sized so the copies last ~40 ms), giving the GEMMs'
@@ -45,6 +45,7 @@ NAN = float("nan")
 MIB = 1 << 20
 GEMM_N = 8192
 COPY_SECONDS = 0.04  # how long the copies beside the GEMMs run, about
+INTERFERENCE_REPEATS = 5  # a GEMM loop's time varies a few % run to run: the best of 5
 
 
 @dataclass
@@ -129,8 +130,10 @@ def measure(page: int, pages: int, buffers: CudaBuffers, args: argparse.Namespac
     kernel = None
     if KernelExecutor is not None and triton is not None and buffers.pinned:
         kernel = KernelExecutor(ledger=dma.ledger, directions=("load", "store"))
-    auto_by = choose("auto", "load", load_desc, buffers.pinned) if kernel is not None else "dma"
-    loader = kernel if auto_by == "kernel" else dma
+    load_by = choose("auto", "load", load_desc, buffers.pinned) if kernel is not None else "dma"
+    store_by = choose("auto", "store", store_desc, buffers.pinned) if kernel is not None else "dma"
+    loader = kernel if load_by == "kernel" else dma
+    storer = kernel if store_by == "kernel" else dma
     run = Runner(dma)
     r = args.repeats
     gbps = lambda seconds: total / seconds / 1e9  # noqa: E731
@@ -165,35 +168,48 @@ def measure(page: int, pages: int, buffers: CudaBuffers, args: argparse.Namespac
     row: dict[str, object] = {"page KiB": page // 1024, "pages": pages, "MiB": total // MIB}
     row["store ref"] = gbps(best_of(r, ref(True)))
     row["store batch"] = gbps(best_of(r, raw_batch(store_desc, False))) if batch else NAN
-    row["store dma"] = gbps(best_of(r, run.jobs([(dma, "store", store_desc)], label="store")))
-    row["store kernel"] = gbps(best_of(r, run.jobs([(kernel, "store", store_desc)]))) if kernel else NAN
+    row["store dma"] = gbps(best_of(r, run.jobs([(dma, "store", store_desc)], label="store dma")))
+    row["store kernel"] = gbps(best_of(r, run.jobs([(kernel, "store", store_desc)], label="store kernel"))) if kernel else NAN
+    row["store auto"] = row["store kernel"] if store_by == "kernel" else row["store dma"]
     row["load ref"] = gbps(best_of(r, ref(False)))
     row["load batch"] = gbps(best_of(r, raw_batch(load_desc, True))) if batch else NAN
     row["load dma"] = gbps(best_of(r, run.jobs([(dma, "load", load_desc)], label="load dma")))
     row["load kernel"] = gbps(best_of(r, run.jobs([(kernel, "load", load_desc)], label="load kernel"))) if kernel else NAN
-    row["load auto"] = row["load kernel"] if auto_by == "kernel" else row["load dma"]
-    row["auto by"] = auto_by
-    both_jobs = [(dma, "store", half(store_desc, True)), (loader, "load", half(load_desc, False))]
+    row["load auto"] = row["load kernel"] if load_by == "kernel" else row["load dma"]
+    row["auto by"] = f"{store_by}/{load_by}"
+    both_jobs = [(storer, "store", half(store_desc, True)), (loader, "load", half(load_desc, False))]
     both_seconds = best_of(r, run.jobs(both_jobs))
     row["both GB/s"] = gbps(both_seconds)
-    row["store/ref"] = row["store dma"] / row["store ref"]
+    row["store/ref"] = row["store auto"] / row["store ref"]
     row["load/ref"] = row["load auto"] / row["load ref"]
     rounds = max(1, min(16, math.ceil(COPY_SECONDS / both_seconds)))
-    gemm_slowdown, copy_slowdown = gemm_interference(*job_copies(run, both_jobs, rounds), r)
-    row["gemm +%"] = 100 * gemm_slowdown
-    row["copies -%"] = 100 * copy_slowdown
+    engine = gemm_interference(*job_copies(run, both_jobs, rounds), INTERFERENCE_REPEATS)
+    row["gemm +%"] = 100 * engine.gemm_slowdown
+    row["gemm ms/GiB"] = engine.lost_ms_per_gib(rounds * sum(desc.num_bytes for _, _, desc in both_jobs))
+    row["copies -%"] = 100 * engine.copy_slowdown
     ref_round_seconds = total / 2 / (row["store ref"] * 1e9)  # half the bytes each way, at once
     ref_rounds = max(1, min(64, math.ceil(COPY_SECONDS / ref_round_seconds)))
-    row["gemm +% ref"] = 100 * gemm_interference(*contiguous_copies(gpu, host, ref_rounds), r)[0]
-    load_label = "load kernel" if auto_by == "kernel" else "load dma"
-    cpu = max(run.submit_cpu.get("store", NAN), run.submit_cpu.get(load_label, NAN))
+    reference = gemm_interference(*contiguous_copies(gpu, host, ref_rounds), INTERFERENCE_REPEATS)
+    row["ref gemm +%"] = 100 * reference.gemm_slowdown
+    row["ref ms/GiB"] = reference.lost_ms_per_gib(ref_rounds * total)
+    cpu = max(run.submit_cpu.get(f"store {store_by}", NAN), run.submit_cpu.get(f"load {load_by}", NAN))
     row["submit ms/256MiB"] = 1000 * cpu * (256 * MIB / total)
     dma.close()
     return row
 
 
-def gemm_interference(alone: Callable[[], None], beside: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """(GEMM slowdown, copy slowdown) when copies run beside a GEMM loop.
+@dataclass
+class Interference:
+    gemm_slowdown: float  # the GEMM loop's time beside the copies / alone - 1
+    copy_slowdown: float  # the copies' time beside the GEMMs / alone - 1
+    gemm_lost_ms: float  # GEMM milliseconds lost, for the bytes the copies moved
+
+    def lost_ms_per_gib(self, nbytes: int) -> float:
+        return self.gemm_lost_ms / (nbytes / 2**30)
+
+
+def gemm_interference(alone: Callable[[], None], beside: Callable[[], None], repeats: int) -> Interference:
+    """What copies and a GEMM loop running side by side cost each other.
 
     `alone` runs the copies from an idle device and waits for them; `beside` queues the
     same copies without synchronizing the device first and waits for them only. The
@@ -239,7 +255,7 @@ def gemm_interference(alone: Callable[[], None], beside: Callable[[], None], rep
         end.synchronize()
         gemm_with = min(gemm_with, start.elapsed_time(end))
     del a, b, c
-    return gemm_with / gemm_alone - 1, copy_with / copy_alone - 1
+    return Interference(gemm_with / gemm_alone - 1, copy_with / copy_alone - 1, gemm_with - gemm_alone)
 
 
 def job_copies(run: Runner, jobs: list, rounds: int) -> tuple[Callable[[], None], Callable[[], None]]:

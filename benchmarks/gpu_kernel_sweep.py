@@ -27,7 +27,7 @@ from kvstrata.connector.copy.triton_copy import KernelExecutor
 
 MIB = 1 << 20
 COLUMNS = ["page KiB", "variant", "load GB/s", "store GB/s", "both GB/s", "gemm +%", "dma load", "dma store", "ref"]
-VARIANTS = "12:1:512:4,8:4:1024:4,8:8:1024:8,4:8:1024:8,4:16:1024:8,12:4:1024:4,12:8:1024:8,16:4:1024:4,16:8:1024:8"
+VARIANTS = "12:1:512:4,8:4:1024:4,4:8:1024:8,4:16:1024:8,2:16:1024:8,12:4:1024:4,16:8:1024:8"
 
 
 def main() -> None:
@@ -73,7 +73,7 @@ def main() -> None:
                 both_jobs = [(kernel, "store", half(store, True)), (kernel, "load", half(load, False))]
                 both_seconds = best_of(args.repeats, run.jobs(both_jobs))
                 rounds = max(1, min(16, math.ceil(COPY_SECONDS / both_seconds)))
-                gemm, _ = gemm_interference(*job_copies(run, both_jobs, rounds), args.repeats)
+                gemm = gemm_interference(*job_copies(run, both_jobs, rounds), args.repeats).gemm_slowdown
                 name = f"{programs}p x{per_step} {words}w {warps}warps"
                 rows.append([page // 1024, name, k_load, k_store, gbps(both_seconds), 100 * gemm, dma_load, dma_store, reference])
                 print("  " + ", ".join(f"{c} {v:.2f}" if isinstance(v, float) else f"{c} {v}" for c, v in zip(COLUMNS, rows[-1])), flush=True)

@@ -258,9 +258,10 @@ class EngineConfig(_Strict):
     )
     gpu_copy: Literal["auto", "dma", "kernel"] = Field(
         default="auto",
-        description="how a CUDA worker moves pages: dma (one batched driver copy per transfer), kernel "
-        "(a Triton copy kernel, loads only; stores always use DMA) or auto (kernel for loads whose pages "
-        "are all under 28 KiB, multiples of 8 bytes, into pinned memory, 16 or more of them; DMA otherwise)",
+        description="how a CUDA worker moves pages: dma (one batched driver copy per transfer; never takes "
+        "an SM from the model), kernel (a Triton copy kernel on 4 SMs, both ways) or auto (the kernel for "
+        "loads whose rows are all under 256 KiB and stores whose rows are all under 32 KiB, 16 or more rows, "
+        "multiples of 8 bytes, pinned memory; DMA otherwise: measured on an H200, docs/gpu-copy.md)",
     )
     recompute_tokens_per_second: float | None = Field(
         default=None,

@@ -19,8 +19,8 @@ the whole transfer, without the GIL) or one `ctypes.memmove` per row, split over
 `copy_threads` threads when large. On CUDA tensors each segment is registered with
 cudaHostRegister once (`copy.pinning`; a refusal is logged, counted and copies go by
 pageable DMA) and each transfer is one submission (`copy.choice`, `engine.gpu_copy`):
-one batched `cuMemcpyBatchAsync` (`copy.cuda_dma`) or, for loads of many small pages, a
-Triton copy kernel (`copy.triton_copy`), on a stream per direction that first waits for
+one batched `cuMemcpyBatchAsync` (`copy.cuda_dma`) or, for many small rows, a Triton
+copy kernel (`copy.triton_copy`), on a stream per direction that first waits for
 the compute stream; completion is an event, and `wait` returns only when the GPU blocks
 are reusable.
 """
@@ -48,10 +48,10 @@ __all__ = ["PARALLEL_MIN_BYTES", "Completed", "CopyEngine", "CopyPlan", "GroupRe
 logger = logging.getLogger(__name__)
 
 
-_LOADS = {
-    "auto": "the Triton kernel where every page is under 28 KiB, DMA otherwise",
-    "dma": "batched DMA",
-    "kernel": "the Triton kernel",
+_HOW = {
+    "auto": "the Triton kernel for loads of rows under 256 KiB and stores of rows under 32 KiB, batched DMA otherwise",
+    "dma": "batched DMA both ways",
+    "kernel": "the Triton kernel both ways",
 }
 
 
@@ -298,7 +298,7 @@ class CopyEngine:
     def describe(self) -> str:
         """How this worker copies, for its start-up log line."""
         if self.is_cuda:
-            return f"CUDA copies (engine.gpu_copy {self.gpu_copy}: stores by batched DMA, loads by {_LOADS[self.gpu_copy]})"
+            return f"CUDA copies (engine.gpu_copy {self.gpu_copy}: {_HOW[self.gpu_copy]})"
         return f"CPU copies ({'native' if self.native else 'ctypes.memmove'}, {self.copy_threads} threads)"
 
     def finished(self) -> list[Completed]:

@@ -3,7 +3,11 @@ back bit-exact, for several tensors, groups, chunk sizes and ranks."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,11 +28,16 @@ def make_tensors(device="cpu", seed=0):
 
 @pytest.fixture
 def pool(tmp_path):
-    arena = Arena(str(tmp_path), "n", capacity=1 << 20, segment_size=4 * 8192, lease_seconds=10, prefault=False)
+    # On tmpfs, as the node arena is: Linux refuses to pin (cudaHostRegister) pages of a
+    # shared file mapping on a disk filesystem (seen on an H200 host: cudaErrorInvalidValue).
+    shm = tmp_path if not os.path.isdir("/dev/shm") else Path(tempfile.mkdtemp(prefix="kvstrata-test-", dir="/dev/shm"))
+    arena = Arena(str(shm), "n", capacity=1 << 20, segment_size=4 * 8192, lease_seconds=10, prefault=False)
     rank_stride = sum(PAGES) * 2  # blocks_per_chunk = 2
     pool = arena.pool("ns", 2 * rank_stride)  # world size 2
     yield pool
     arena.close()
+    if shm != tmp_path:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 # Group 0 uses both tensors; group 1 only the second (as hybrid models share tensors).

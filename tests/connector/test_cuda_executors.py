@@ -352,7 +352,7 @@ def test_kernel_executor_refuses_stores_and_unaligned_rows(device):
 
 
 def test_a_kernel_executor_built_for_stores_copies_them_on_the_store_stream(device):
-    """The GPU benchmark measures kernel stores beside DMA; the engine's rule never sends them."""
+    """The rule sends stores of small rows here (DMA pays per row); they run on the store stream."""
     src, dst = buffers()
     ex = KernelExecutor(
         "cpu",
@@ -380,8 +380,8 @@ def test_router_sends_small_loads_to_the_kernel_and_keeps_one_load_order(device)
         kernel(device, ledger=ledger),
         host_pinned=lambda: True,
     )
-    offs_small, sizes_small = pages(0, count=16, page=2 * KIB)  # 16 rows < 28 KiB: kernel
-    offs_big, sizes_big = pages(1, count=2, page=64 * KIB)  # large rows: DMA
+    offs_small, sizes_small = pages(0, count=16, page=2 * KIB)  # 16 small rows: kernel
+    offs_big, sizes_big = pages(1, count=2, page=64 * KIB)  # 2 rows: too few, DMA
     router.submit(1, "load", descriptors(dst, offs_small, src, offs_small, sizes_small))
     router.submit(2, "load", descriptors(dst, offs_big, src, offs_big, sizes_big))
     router.submit(3, "store", descriptors(dst, [500 * KIB], src, [500 * KIB], [KIB]))
@@ -404,12 +404,16 @@ def rows(n: int, size: int, align: int = 0) -> Descriptors:
 @pytest.mark.parametrize(
     "gpu_copy, direction, desc, pinned, expected",
     [
-        ("auto", "store", rows(64, 8 * KIB), True, "dma"),  # stores: always DMA
-        ("kernel", "store", rows(64, 8 * KIB), True, "dma"),
+        ("auto", "store", rows(64, 8 * KIB), True, "kernel"),  # small stores: DMA pays per row
+        ("auto", "store", rows(64, 32 * KIB), True, "dma"),  # a row of 32 KiB is not under 32 KiB
+        ("auto", "store", rows(64, 32 * KIB - 8), True, "kernel"),
+        ("auto", "store", rows(64, 8 * KIB), False, "dma"),  # pageable host memory
+        ("kernel", "store", rows(2, 2 << 20), True, "kernel"),  # forced: both ways
+        ("dma", "store", rows(64, 8 * KIB), True, "dma"),
         ("auto", "load", rows(16, 8 * KIB), True, "kernel"),  # the kernel's case
         ("auto", "load", rows(15, 8 * KIB), True, "dma"),  # too few rows
-        ("auto", "load", rows(64, 28 * KIB), True, "dma"),  # a row of 28 KiB is not under 28 KiB
-        ("auto", "load", rows(64, 28 * KIB - 8), True, "kernel"),
+        ("auto", "load", rows(64, 256 * KIB), True, "dma"),  # a row of 256 KiB is not under 256 KiB
+        ("auto", "load", rows(64, 256 * KIB - 8), True, "kernel"),
         ("auto", "load", rows(64, 8 * KIB + 4), True, "dma"),  # size not a multiple of 8
         ("auto", "load", rows(64, 8 * KIB, align=4), True, "dma"),  # address not a multiple of 8
         ("auto", "load", rows(64, 8 * KIB), False, "dma"),  # pageable host memory
@@ -429,7 +433,7 @@ def test_choice_rejects_unknown_settings():
         choose("fast", "load", rows(1, 8), True)
     with pytest.raises(ValueError, match="direction"):
         choose("auto", "up", rows(1, 8), True)
-    assert choice.KERNEL_MAX_ROW_BYTES == 28 * KIB and choice.KERNEL_MIN_ROWS == 16
+    assert choice.KERNEL_MAX_ROW_BYTES == {"load": 256 * KIB, "store": 32 * KIB} and choice.KERNEL_MIN_ROWS == 16
 
 
 # --- pinning ---------------------------------------------------------------------------

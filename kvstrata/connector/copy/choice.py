@@ -1,21 +1,33 @@
 """Which CUDA executor moves one transfer: the DMA engines or the Triton copy kernel.
 
-The rule (engine.gpu_copy), measured by vLLM on H100 and kept as its thresholds:
-  * stores (GPU -> host) always go by DMA: the copy engines beat SM copies there, and a
-    kernel would take SMs from the forward pass that is still running;
-  * loads under "auto" go by kernel only where the kernel wins: every row under 28 KiB
-    (above that one DMA descriptor per row is faster), at least 16 rows (below that the
-    launch costs more than it saves), every size and address a multiple of 8 (the kernel
-    moves int64 words) and host memory pinned (a kernel can only read host memory that
-    is registered with CUDA; DMA also works from pageable memory, slower);
-  * "kernel" forces the kernel for loads, except where the kernel cannot move the bytes
-    at all (unaligned rows or pageable host memory): those still go by DMA, since a
-    forced setting must not turn into a wrong copy or an illegal-address fault;
-  * "dma" always uses DMA.
+The rule (engine.gpu_copy), from the GPU check on an H200 (PCIe Gen5 x16, 26 Nov 2026,
+docs/gpu-copy.md), scattered pages against one contiguous copy of the same bytes
+(~55 GB/s each way):
+  * one cuMemcpyBatchAsync pays per descriptor: 8 KiB rows moved 16-19 GB/s to host and
+    2-4 GB/s from host, 64 KiB rows 33-40 GB/s, and the call held the worker's thread
+    12-16 ms per 256 MiB of 8 KiB rows (3 ms at 64 KiB); from 256 KiB rows it is within
+    10-15 % of the contiguous copy;
+  * the copy kernel (4 programs, 8 rows each at a time) moved 46-49 GB/s both ways at 8
+    and 64 KiB rows, its submit only fills a table; but it holds 4 SMs for the copy's
+    duration, and a GEMM beside it lost about twice the time per byte moved that it lost
+    beside DMA at 64 KiB rows (less than beside DMA at 8 KiB rows).
+So, under "auto":
+  * loads go by kernel when every row is under 256 KiB (a load is on a request's path
+    to its first token: speed first); stores when every row is under 32 KiB (where DMA
+    falls below a third of the link and its submit stalls the worker's thread); both
+    need at least 16 rows (below that a launch costs more than it saves), every size and
+    address a multiple of 8 (the kernel moves int64 words) and host memory registered
+    (a kernel can only read and write host memory that is registered; DMA also works
+    from pageable memory, slower);
+  * otherwise DMA.
+"kernel" forces the kernel both ways, except where it cannot move the bytes at all
+(unaligned rows or pageable host memory): those still go by DMA, since a forced setting
+must not turn into a wrong copy or an illegal-address fault. "dma" never uses it (no SM
+is ever taken from the forward pass).
 
 A row here is one descriptor after contiguous pages were merged, which is what one DMA
-descriptor or one kernel program moves: a run of small pages that merged into a large
-row is, for this choice, a large row.
+descriptor or one kernel row moves: a run of small pages that merged into a large row is,
+for this choice, a large row.
 
 No torch import at module level: the rule is plain arithmetic on the descriptor arrays;
 the executors are imported only by `make_cuda_executor`.
@@ -33,7 +45,7 @@ from kvstrata.connector.copy.descriptors import DIRECTIONS, WORD_BYTES, Descript
 
 logger = logging.getLogger(__name__)
 
-KERNEL_MAX_ROW_BYTES = 28 * 1024
+KERNEL_MAX_ROW_BYTES = {"load": 256 * 1024, "store": 32 * 1024}
 KERNEL_MIN_ROWS = 16
 
 GpuCopy = Literal["auto", "dma", "kernel"]
@@ -54,13 +66,11 @@ def choose(gpu_copy: GpuCopy, direction: str, desc: Descriptors, host_pinned: bo
         raise ValueError(f"gpu_copy must be auto, dma or kernel, not {gpu_copy!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be store or load, not {direction!r}")
-    if direction == "store" or gpu_copy == "dma":
-        return "dma"
-    if not kernel_can_move(desc, host_pinned):
+    if gpu_copy == "dma" or not kernel_can_move(desc, host_pinned):
         return "dma"
     if gpu_copy == "kernel":
         return "kernel"
-    if desc.rows >= KERNEL_MIN_ROWS and int(desc.sizes.max()) < KERNEL_MAX_ROW_BYTES:
+    if desc.rows >= KERNEL_MIN_ROWS and int(desc.sizes.max()) < KERNEL_MAX_ROW_BYTES[direction]:
         return "kernel"
     return "dma"
 
@@ -105,7 +115,7 @@ def make_cuda_executor(gpu_copy: GpuCopy, device: Any = None, host_pinned: Calla
         try:
             from kvstrata.connector.copy.triton_copy import KernelExecutor
 
-            kernel = KernelExecutor(device, ledger=dma.ledger)
+            kernel = KernelExecutor(device, ledger=dma.ledger, directions=("load", "store"))
         except RuntimeError as exc:
             logger.warning("gpu_copy %s: %s; every transfer goes by DMA", gpu_copy, exc)
     return CudaCopyRouter(gpu_copy, dma, kernel, host_pinned)

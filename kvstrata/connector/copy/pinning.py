@@ -189,7 +189,12 @@ class Pinning:
         except HostRegisterError as exc:
             self.failures += 1
             level = logging.WARNING if self.failures == 1 else logging.DEBUG
-            logger.log(level, "%s; copies from this memory go through pageable DMA (slower)", exc)
+            logger.log(
+                level,
+                "%s; copies from this memory go through pageable DMA (slower). An arena outside "
+                "tmpfs (tiers.cpu.shm_dir on a disk filesystem) cannot be pinned: Linux refuses it",
+                exc,
+            )
             return False
         elapsed = time.perf_counter() - start
         self._pieces[ptr] = (pieces, nbytes)

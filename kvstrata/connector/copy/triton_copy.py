@@ -1,16 +1,15 @@
 """Moves a transfer's descriptors with a Triton copy kernel (pinned host memory <-> GPU).
 
-Why a kernel: for many small rows (KV pages under ~28 KiB) a few SMs reading mapped
-host memory beat the DMA engines, whose cost per descriptor dominates there (vLLM
-measured the crossover on H100; the rule lives in choice.py). The engine's rule sends
-stores by DMA (a store must not take SMs from the forward pass); an executor built with
-`directions=("load", "store")` also copies GPU -> host, which the GPU benchmark measures
-beside DMA so the rule follows the figures.
+Why a kernel: for many small rows a few SMs reading or writing mapped host memory beat
+the DMA engines, whose cost per descriptor dominates there (measured on an H200 by the
+GPU check; the rule lives in choice.py). An executor built with
+`directions=("load", "store")` also copies GPU -> host (the engine's does: choice.py
+sends stores of rows under 32 KiB here).
 
 The kernel: a fixed number of programs (a small SM slice) walk the descriptor table
-[dst... | src... | sizes...] (int64); each program takes rows pid, pid + P, ... and
-copies a row in chunks of WORDS int64 words, masked at the row's end. Every size and
-address must be a multiple of 8 (checked before launch); where all are multiples of 16
+[dst... | src... | sizes...] (int64); each program takes ROWS consecutive rows at a
+time (rows pid*ROWS.., then a grid further) and copies them in [ROWS, WORDS] tiles of
+int64 words, masked at each row's end. Every size and address must be a multiple of 8 (checked before launch); where all are multiples of 16
 the launch says so (ALIGN16) and each access moves 16 bytes (checked: the sm_90 PTX
 then has ld/st.global.v2.b64, without it ld/st.global.b64). Host memory must be registered
 with CUDA (pinning.py): the kernel reads it through its unified address.
@@ -18,7 +17,7 @@ with CUDA (pinning.py): the kernel reads it through its unified address.
 Descriptor tables travel to the GPU from a pool of pinned buffers (`PinnedPool`); a
 buffer is handed out again only after the end event of the job that used it fired (the
 host -> device copy of the table reads it asynchronously). Jobs share `JobLedger` with
-the DMA executor, so kernel and DMA loads are ordered on one load stream.
+the DMA executor, so kernel and DMA jobs of one direction are ordered on one stream.
 
 No vLLM import; Triton is optional (KernelExecutor refuses to start without it).
 """
@@ -42,12 +41,14 @@ except ImportError:  # the DMA executor alone still works
     triton = None
     tl = None
 
-# A small SM slice (vLLM: the smallest within 5% of peak at 8-32 KiB rows on H100) so
-# loads leave the rest of the GPU to the forward pass.
-NUM_PROGRAMS = 12
-CHUNK_WORDS = 512  # 4 KiB per row per inner step; 4 warps -> 4 int64 words per thread
-ROWS_PER_STEP = 1  # rows a program moves at once
-NUM_WARPS = 4
+# A small SM slice, each program keeping 8 rows x 8 KiB in flight: measured on an H200
+# (benchmarks/gpu_kernel_sweep.py), 4 programs x 8 rows moved 46-48 GB/s both ways at
+# 8 and 64 KiB rows, as many as 8-16 programs did, where 12 programs of one row at a
+# time moved 26-30 GB/s loading (a read from host waits ~1-2 us on the link).
+NUM_PROGRAMS = 4
+CHUNK_WORDS = 1024  # 8 KiB per row per inner step
+ROWS_PER_STEP = 8  # rows a program moves at once: [8, 1024] words, 32 per thread
+NUM_WARPS = 8
 MIN_TABLE_ROWS = 1024  # pinned buffers hold at least this many rows (3 int64 each)
 
 # launch(table, rows, programs, chunk_words, align16): queue the copy on the current stream.
