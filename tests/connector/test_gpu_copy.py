@@ -147,7 +147,8 @@ def test_router_loads_by_kernel_and_dma_in_one_order(pins):
     gpu[0].zero_()
     router.submit(2, "load", descriptors(gpu, host, blocks, slots, page, "load"))
     router.wait({2})
-    assert router.counts["kernel"] == (1 if router.kernel is not None and len(blocks) >= 16 else 0)
+    # 8 KiB rows, 16 or more of them: both the store and the load go by kernel under auto.
+    assert router.counts["kernel"] == (2 if router.kernel is not None and len(blocks) >= 16 else 0)
     index = torch.from_numpy(blocks).cuda()
     assert torch.equal(gpu[0][index], original[index])
     assert [c.job_id for c in router.finished()] == [1, 2]

@@ -7,10 +7,10 @@ docs/gpu-copy.md), scattered pages against one contiguous copy of the same bytes
     2-4 GB/s from host, 64 KiB rows 33-40 GB/s, and the call held the worker's thread
     12-16 ms per 256 MiB of 8 KiB rows (3 ms at 64 KiB); from 256 KiB rows it is within
     10-15 % of the contiguous copy;
-  * the copy kernel (4 programs, 8 rows each at a time) moved 46-49 GB/s both ways at 8
-    and 64 KiB rows, its submit only fills a table; but it holds 4 SMs for the copy's
-    duration, and a GEMM beside it lost about twice the time per byte moved that it lost
-    beside DMA at 64 KiB rows (less than beside DMA at 8 KiB rows).
+  * the copy kernel (2 programs, 16 rows each at a time) moved 43-49 GB/s both ways at
+    8-256 KiB rows, its submit only fills a table; but it holds its SMs for the copy's
+    duration, and a GEMM loop beside it lost about twice the time per byte moved that it
+    lost beside DMA at 64 KiB rows and more (less than beside DMA at 8 KiB rows).
 So, under "auto":
   * loads go by kernel when every row is under 256 KiB (a load is on a request's path
     to its first token: speed first); stores when every row is under 32 KiB (where DMA

@@ -41,13 +41,14 @@ except ImportError:  # the DMA executor alone still works
     triton = None
     tl = None
 
-# A small SM slice, each program keeping 8 rows x 8 KiB in flight: measured on an H200
-# (benchmarks/gpu_kernel_sweep.py), 4 programs x 8 rows moved 46-48 GB/s both ways at
-# 8 and 64 KiB rows, as many as 8-16 programs did, where 12 programs of one row at a
-# time moved 26-30 GB/s loading (a read from host waits ~1-2 us on the link).
-NUM_PROGRAMS = 4
+# A small SM slice, each program keeping 16 rows x 8 KiB in flight. Measured on an H200
+# (benchmarks/gpu_kernel_sweep.py, 26 Nov 2026): 2 programs x 16 rows moved 43-47 GB/s
+# loading and 46-48 storing at 8-256 KiB rows, about what 4-16 programs did, with the
+# least cost to GEMMs beside them; 12 programs of one row at a time moved 25-30 GB/s
+# loading (a read from host waits ~1-2 us on the link: rows in flight are the knob).
+NUM_PROGRAMS = 2
 CHUNK_WORDS = 1024  # 8 KiB per row per inner step
-ROWS_PER_STEP = 8  # rows a program moves at once: [8, 1024] words, 32 per thread
+ROWS_PER_STEP = 16  # rows a program moves at once: [16, 1024] words, 64 per thread
 NUM_WARPS = 8
 MIN_TABLE_ROWS = 1024  # pinned buffers hold at least this many rows (3 int64 each)
 
