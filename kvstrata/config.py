@@ -260,7 +260,7 @@ class EngineConfig(_Strict):
         default="auto",
         description="how a CUDA worker moves pages: dma (one batched driver copy per transfer; never takes "
         "an SM from the model), kernel (a Triton copy kernel on 2 SMs per direction) or auto (the kernel for "
-        "loads whose rows are all under 256 KiB and stores whose rows are all under 32 KiB, 16 or more rows, "
+        "transfers whose rows are all under 256 KiB, 16 or more of them, "
         "multiples of 8 bytes, pinned memory; DMA otherwise: measured on an H200, docs/gpu-copy.md)",
     )
     recompute_tokens_per_second: float | None = Field(

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 _HOW = {
-    "auto": "the Triton kernel for loads of rows under 256 KiB and stores of rows under 32 KiB, batched DMA otherwise",
+    "auto": "the Triton kernel where every row is under 256 KiB, batched DMA otherwise",
     "dma": "batched DMA both ways",
     "kernel": "the Triton kernel both ways",
 }

@@ -405,8 +405,8 @@ def rows(n: int, size: int, align: int = 0) -> Descriptors:
     "gpu_copy, direction, desc, pinned, expected",
     [
         ("auto", "store", rows(64, 8 * KIB), True, "kernel"),  # small stores: DMA pays per row
-        ("auto", "store", rows(64, 32 * KIB), True, "dma"),  # a row of 32 KiB is not under 32 KiB
-        ("auto", "store", rows(64, 32 * KIB - 8), True, "kernel"),
+        ("auto", "store", rows(64, 256 * KIB), True, "dma"),  # a row of 256 KiB is not under 256 KiB
+        ("auto", "store", rows(64, 256 * KIB - 8), True, "kernel"),
         ("auto", "store", rows(64, 8 * KIB), False, "dma"),  # pageable host memory
         ("kernel", "store", rows(2, 2 << 20), True, "kernel"),  # forced: both ways
         ("dma", "store", rows(64, 8 * KIB), True, "dma"),
@@ -433,7 +433,7 @@ def test_choice_rejects_unknown_settings():
         choose("fast", "load", rows(1, 8), True)
     with pytest.raises(ValueError, match="direction"):
         choose("auto", "up", rows(1, 8), True)
-    assert choice.KERNEL_MAX_ROW_BYTES == {"load": 256 * KIB, "store": 32 * KIB} and choice.KERNEL_MIN_ROWS == 16
+    assert choice.KERNEL_MAX_ROW_BYTES == {"load": 256 * KIB, "store": 256 * KIB} and choice.KERNEL_MIN_ROWS == 16
 
 
 # --- pinning ---------------------------------------------------------------------------

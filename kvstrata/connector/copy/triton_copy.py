@@ -4,7 +4,7 @@ Why a kernel: for many small rows a few SMs reading or writing mapped host memor
 the DMA engines, whose cost per descriptor dominates there (measured on an H200 by the
 GPU check; the rule lives in choice.py). An executor built with
 `directions=("load", "store")` also copies GPU -> host (the engine's does: choice.py
-sends stores of rows under 32 KiB here).
+sends transfers of rows under 256 KiB here).
 
 The kernel: a fixed number of programs (a small SM slice) walk the descriptor table
 [dst... | src... | sizes...] (int64); each program takes ROWS consecutive rows at a
