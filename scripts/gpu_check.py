@@ -18,7 +18,7 @@ fsspec, xxhash, pyyaml, matplotlib, rich, pytest): no vLLM, Ray or pydantic, no 
 (tests/test_gpu_check.py runs it with those blocked). Writes at most 8 files, all directly
 in OUT_DIR: check.log (every part's output), summary.md, env.json, harness.json and
 gpu_copy.{csv,md,png,json}. Ends with one summary table; exits 1 if a part failed.
-About 3-5 minutes on an H100 or H200 (8 at most, the sum of the limits).
+43-47 s on an H200 (26 Nov 2026); 8 minutes at most, the sum of the limits.
 """
 
 from __future__ import annotations

@@ -44,14 +44,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def nvidia_smi() -> dict[str, str]:
     """The driver's view of the GPU and its link; {} where nvidia-smi is missing or fails."""
     try:
@@ -103,7 +95,6 @@ def describe() -> dict[str, Any]:
         "triton": _version("triton"),
         "cuda_bindings": _version("cuda-bindings") or _version("cuda-python"),
         "numpy": _version("numpy"),
-        "kvstrata_commit": _git_commit(),
         "cuda": torch.cuda.is_available(),
     }
     if os.path.isdir("/dev/shm"):
