@@ -24,7 +24,7 @@ from pathlib import Path
 import xxhash
 
 PIECE_BYTES = 64 << 20
-READ_BYTES = 8 << 20
+READ_BYTES = 1 << 20  # fits in L2: the hash reads what the copy just wrote (measured +10-20 % warm)
 # Threads that read and hash at once: enough to keep an NVMe queue busy, never more
 # than a few per core (xxh3 runs at ~9 GB/s per core, faster than one disk).
 MAX_THREADS = 8
