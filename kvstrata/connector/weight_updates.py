@@ -141,14 +141,17 @@ class WeightGenerations(OffloadingManager):
                 entry[0].on_reset_flushed()
                 entry[1] = True
 
-    def _retire_flushed(self, context: ScheduleEndContext) -> None:
-        """Let each flushed old manager send its last request, then shut it down off the engine's thread."""
+    def _step_retiring(self, context: ScheduleEndContext) -> None:
+        """End the step for the old managers too (the first request carries the purge),
+        and shut down, off the engine's thread, each one whose loads vLLM has flushed
+        once that last request (with the unpins) is out."""
         still = []
-        for manager, flushed in self._retiring:
-            if not flushed:
-                still.append([manager, flushed])
-                continue
+        for entry in self._retiring:
+            manager, flushed = entry
             manager.on_schedule_end(context)
+            if not flushed:
+                still.append(entry)
+                continue
             stats = manager.get_stats()
             if stats is not None:
                 self._retired_stats = stats if self._retired_stats is None else self._retired_stats.aggregate(stats)
@@ -205,7 +208,7 @@ class WeightGenerations(OffloadingManager):
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._retiring:
-            self._retire_flushed(context)
+            self._step_retiring(context)
         self._current.on_schedule_end(context)
 
     @override
