@@ -46,7 +46,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the weight loader runs in this process
 
-from kvstrata.identity import EXACT, FULL, SAMPLED, DigestCache, checkpoint_files, fingerprint  # noqa: E402
+from kvstrata.identity import (  # noqa: E402
+    EXACT,
+    FULL,
+    SAMPLED,
+    DigestCache,
+    checkpoint_files,
+    fingerprint,
+    sampled_ranges,
+)
 
 SHARD_BYTES = 4 << 30
 WRITE_BYTES = 64 << 20
@@ -66,12 +74,26 @@ def llama_config(gib: float) -> dict:
 
 
 def parameter_shapes(config: dict) -> list[tuple[str, tuple[int, ...]]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**config))
     return [(name, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
+
+
+def shard_tensors(config: dict, shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The parameters in the order `save_pretrained` writes them, cut into shards of at most `shard_bytes`."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in parameter_shapes(config):
+        nbytes = 2 * int(np.prod(shape))
+        if size and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
 
 
 def random_bf16(count: int, rng: np.random.Generator) -> bytes:
@@ -92,15 +114,7 @@ def write_checkpoint(directory: Path, gib: float) -> dict[str, str]:
     shutil.rmtree(tokenizer)
     config = llama_config(gib)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in parameter_shapes(config):
-        nbytes = 2 * int(np.prod(shape))
-        if size and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
+    shards = shard_tensors(config, SHARD_BYTES)
     rng, weight_map, sha256 = np.random.default_rng(0), {}, {}
     for index, tensors in enumerate(shards):
         file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -292,16 +306,7 @@ def sampled_coverage() -> None:
     each shard's tensors by name as safetensors orders them (an approximation of the
     released files). An in-place edit keeps the identity when it touches no sampled byte."""
     config = dict(llama_config(16.0), vocab_size=128256, num_hidden_layers=32, num_key_value_heads=8)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in parameter_shapes(config):
-        nbytes = 2 * int(np.prod(shape))
-        if size and size + nbytes > 5_000_000_000:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
-    from kvstrata.identity import sampled_ranges
+    shards = shard_tensors(config, 5_000_000_000)
 
     spans: dict[str, tuple[int, int, tuple[int, ...], list[tuple[int, int]]]] = {}
     for tensors in shards:
