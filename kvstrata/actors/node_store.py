@@ -43,11 +43,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstrata.actors.chunk_audit import ChunkAudit
 from kvstrata.actors.directory import directory_shard
+from kvstrata.actors.executors import ExecutorFactory, thread_pools
 from kvstrata.actors.io_meter import IoMeter
 from kvstrata.actors.local_client import LocalStoreClient
 from kvstrata.actors.options import in_ray_actor, node_tag
@@ -61,7 +61,7 @@ from kvstrata.config import KvstrataConfig, load_config
 from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.changelog import CPU, STORAGE
-from kvstrata.tiers.disk import DiskTier, DiskTierError
+from kvstrata.tiers.disk import DIGEST_THREADS, DiskTier, DiskTierError
 from kvstrata.tiers.object_store import ObjectTier
 
 # What tests, benchmarks and `client` import from here.
@@ -76,6 +76,7 @@ class NodeStore(StoreControl):
         config: KvstrataConfig | Mapping[str, Any] | None,
         node_id: str,
         clock: Callable[[], float] = time.monotonic,
+        executors: ExecutorFactory = thread_pools,
     ):
         self.config = load_config(resolve_secrets(config))  # credentials come by the cluster's KV store
         self.node_id = node_id
@@ -114,6 +115,7 @@ class NodeStore(StoreControl):
         self.io_meter = IoMeter(clock)
         self.audit = ChunkAudit() if cpu.audit_chunks else None
         self._clock = clock
+        self._executors = executors  # where background jobs run (executors.py: the seam tests replace)
         # Each part's own state (see its module).
         self._init_cascade()
         self._init_object_index()
@@ -131,12 +133,12 @@ class NodeStore(StoreControl):
             self.object = ObjectTier(self.config.tiers.object, clock=clock, quotas=self.config.tier_quotas("object"))
             self.object.reuse_of = self._reuse.estimate if self._reuse is not None else None  # sweeps spare reused chunks
             # Batches queue here; each fans out over the tier's own max_concurrency threads.
-            self._object_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-object-jobs")
+            self._object_io = executors("object", 2)
         self.peers = None
         self._peer_io = None
         if self.config.cluster is not None and _in_ray():
             self.peers = PeerSync(node_id, self.config.cluster, lambda: dict(self._logs), directory_shard).start()
-            self._peer_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peer-fetch")
+            self._peer_io = executors("peer", 2)
         self._metrics = None
         if in_ray_actor():
             freeze_startup_heap()
@@ -164,6 +166,7 @@ class NodeStore(StoreControl):
                 eviction_policy=self.config.tiers.cpu.eviction_policy,
                 on_change=lambda namespace, keys, present: self._log(namespace).record_many(keys, STORAGE, present),
                 quotas=self.config.tier_quotas("disk"),
+                digests=self._executors("disk-digest", DIGEST_THREADS),
             )
         except Exception as exc:  # noqa: BLE001 - DiskTierError, or whatever a damaged directory raised
             # The engine keeps serving from the arena; the operator sees why in the log and stats.
@@ -174,7 +177,7 @@ class NodeStore(StoreControl):
             self.disk.reuse_of = self._reuse.estimate
         for namespace in self.disk.namespaces():
             self._log(namespace).record_many(self.disk.keys(namespace), STORAGE, True)
-        self._io = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="kvstrata-disk")
+        self._io = self._executors("disk", disk.io_threads)
 
     # --- tools and tests (never on an engine's hot path) --------------------------------
 

@@ -23,7 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,11 @@ class DiskTier(SlabIndex):
         eviction_policy: str = "lru",
         on_change: Callable[[str, list[bytes], bool], None] | None = None,
         quotas: Mapping[str, int] | None = None,
+        digests: Executor | None = None,
     ):
+        """`digests`: where checksums run (default: `DIGEST_THREADS` threads of the tier's
+        own); a disk call waits on them, so another executor must run each job it is given
+        on its own (a thread pool, or inline as a deterministic test does)."""
         if capacity <= 0:
             raise DiskTierError(f"tiers.disk.capacity must be positive, got {capacity}")
         root = Path(root)
@@ -76,7 +80,7 @@ class DiskTier(SlabIndex):
             raise DiskTierError(f"tiers.disk.path: {root} is in use by another kvstrata store") from None
         make_policy(eviction_policy)
         previous_holder = _claim_lock_file(self._dir_lock)
-        self._digests = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="kvstrata-disk-digest")
+        self._digests = digests or ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="kvstrata-disk-digest")
         self._spare = _SpareBuffers()
         self.admitting = True
         # After a failed write the tier stops admitting, then tries one batch again after
