@@ -13,8 +13,10 @@ once per role at start:
 Production keeps its threads (`thread_pools`). A test or a seeded simulation passes a
 factory that returns a `ManualExecutor` for the roles it wants to schedule (nothing runs
 until it says which job runs next, so "a write queued before a purge lands after it" is
-one line of a test) and an `InlineExecutor` for `disk-digest`: a disk job waits on its
-digests, so those must run when submitted, never later.
+one line of a test), and for `disk-digest` an executor that runs jobs when submitted
+(`InlineExecutor`, or a `ManualExecutor` with `hold` off): a disk write waits on its
+digests. A read does not: holding its digests is how a test lands a purge between a
+promotion's read and its commit.
 
 Owns: the thread pools' names and the two deterministic executors.
 Invariants: `ManualExecutor` runs a job only when asked, on the asking thread, each
@@ -77,11 +79,14 @@ class ManualExecutor(Executor):
 
     `pending` lists what waits; `run(job)` runs one on the calling thread and returns its
     future (an exception stays in the future, as in a pool); `run_all()` drains the queue,
-    jobs queued meanwhile included.
+    jobs queued meanwhile included. With `hold` False it runs each job when submitted
+    (inline) until a test sets it again: how a test holds the disk tier's checksums of one
+    read (never of a write, which waits on them: that would never return).
     """
 
-    def __init__(self, role: str = "") -> None:
+    def __init__(self, role: str = "", hold: bool = True) -> None:
         self.role = role
+        self.hold = hold
         self.pending: list[Job] = []
         self._shut = False
 
@@ -90,7 +95,7 @@ class ManualExecutor(Executor):
             raise RuntimeError(f"cannot schedule a job after shutdown ({self.role or 'manual'} executor)")
         job = Job(fn, args, kwargs)
         self.pending.append(job)
-        return job.future
+        return job.future if self.hold else self.run(job)
 
     def named(self, name: str) -> list[Job]:
         return [job for job in self.pending if job.name == name]
@@ -124,8 +129,9 @@ class ManualExecutor(Executor):
 
 
 class ManualExecutors:
-    """A factory for `NodeStore(executors=...)`: the named roles manual, `disk-digest` inline,
-    the rest thread pools. `self[role]` is the manual executor of a role."""
+    """A factory for `NodeStore(executors=...)`: the named roles manual, the rest thread
+    pools; `disk-digest` is a `ManualExecutor` that runs jobs inline until a test sets its
+    `hold`. `self[role]` is the manual executor of a role."""
 
     def __init__(self, *roles: str) -> None:
         self.roles = roles or ("disk", "object", "peer")
@@ -133,7 +139,7 @@ class ManualExecutors:
 
     def __call__(self, role: str, threads: int) -> Executor:
         if role == "disk-digest":
-            return InlineExecutor()
+            return self.executors.setdefault(role, ManualExecutor(role, hold=False))
         if role not in self.roles:
             return thread_pools(role, threads)
         return self.executors.setdefault(role, ManualExecutor(role))
