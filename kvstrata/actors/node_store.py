@@ -120,6 +120,7 @@ class NodeStore(StoreControl):
         self._init_cascade()
         self._init_object_index()
         self._init_promotion()
+        self._init_purge()
         # Notified whenever I/O in flight ends, so `wait_io` returns the moment the last
         # job does (polling added up to a poll interval to every measurement).
         self._io_done = threading.Condition(self._lock)
@@ -238,10 +239,12 @@ class NodeStore(StoreControl):
             }
 
     def wait_io(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no disk write or promotion is in flight (tests, tools, benchmarks)."""
+        """Wait until no disk write, promotion, upload, sweep or bucket purge is in flight (tests, tools, benchmarks)."""
         with self._io_done:
             return self._io_done.wait_for(
-                lambda: not (self._writes_pending or self._promoting or self._uploads_pending or self._scanning),
+                lambda: not (
+                    self._writes_pending or self._promoting or self._uploads_pending or self._scanning or self._purges_pending()
+                ),
                 timeout_s,
             )
 

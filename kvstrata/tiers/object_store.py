@@ -380,8 +380,8 @@ class ObjectTier:
         manifest = json.loads(self.fs.cat_file(f"{self.namespace_dir(namespace)}/{MANIFEST}", **self._deadline))
         return str(manifest["layout"].get("namespace_prefix", ""))
 
-    def purge(self, namespace: str) -> int:
-        """Delete a namespace's chunks and manifest; returns how many chunks went.
+    def purge(self, namespace: str) -> int | None:
+        """Delete a namespace's chunks and manifest; how many chunks went (None: it failed).
 
         Only `<root>/<namespace>/`: an invalid namespace (empty, dotted, slash-bearing) is
         a ValueError before anything is listed or deleted."""
@@ -393,7 +393,7 @@ class ObjectTier:
             pass
         except Exception as exc:  # noqa: BLE001
             self._failed("purge", exc)
-            return 0
+            return None
         self.quotas.drop(namespace)
         return len(keys)
 
