@@ -5,7 +5,7 @@ once per role at start:
 
 | role | jobs (the store's methods) |
 |---|---|
-| `disk` | `_write_job` (cascade to disk), `_promote_job` (disk -> arena) |
+| `disk` | `_write_job` (cascade to disk), `_promote_job` (disk -> arena), `close_purged` (a purged slab's files) |
 | `object` | `_upload_job`, `_object_promote_job`, `_scan_job` (the sweep), `_object_purge_job`, manifests |
 | `peer` | `_peer_promote_job` |
 | `disk-digest` | the disk tier's checksums (`DiskTier(digests=...)`); they block the disk job that waits on them |

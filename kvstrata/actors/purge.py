@@ -16,8 +16,8 @@ lock) and commits nothing if it changed by the time it lands:
 
 Long purges stay off the store lock: the arena drops its index (memory only), the disk
 tier unlinks the namespace's files (`DiskTier.purge`: no I/O per chunk; the last design
-wiped one header per chunk under the lock, ~109 us each), and the bucket is emptied on
-the object I/O pool.
+wiped one header per chunk under the lock, ~109 us each; the files are closed, which frees
+their blocks, on the disk I/O pool), and the bucket is emptied on the object I/O pool.
 
 Owns: `_generations`, the uploads in flight per (namespace, generation) (`_uploads_of`),
 the bucket purges due (`_bucket_purges_due`) and running (`_bucket_purging`).
@@ -61,6 +61,7 @@ class Purge(StoreState):
         removed = pool.purge() if pool is not None else 0
         if self.disk is not None:
             removed += self.disk.purge(namespace)
+            self._io.submit(self.disk.close_purged)  # freeing a large file's blocks takes a while
         if self.object is not None:
             log = self._log(namespace)
             log.record_many(log.present(OBJECT), OBJECT, False)

@@ -89,6 +89,7 @@ class SlabIndex:
         self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
         self._generations: dict[str, int] = {}  # namespace -> purges so far (`DiskTier.purge`)
         self._retired: list[_Slab] = []  # purged slabs with I/O still in flight
+        self._closing: list[_Slab] = []  # purged slabs with none, for `close_purged`
         self._allocated = 0
         # Allocated bytes per tenant: a slab at its tenant's quota evicts its own records.
         self.quotas = TenantQuotas(quotas)
