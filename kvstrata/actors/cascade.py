@@ -11,7 +11,10 @@ Owns: the holders `CASCADE` and `UPLOAD`, the counts of copies in flight
 eviction hook (`_attach_write_back`).
 Invariants: every slot a copy pins is unpinned exactly once, by its job or at once when
 the copy is dropped; a job's unpin takes the store lock, so it comes after the pin taken
-when the eviction hook returns. Records OBJECT presence only for uploads that landed.
+when the eviction hook returns. Records OBJECT presence only for uploads that landed, and
+only if their namespace was not purged since they were queued; a copy queued before a
+purge writes nothing to disk (purge.py). A namespace kept to its node
+(registration_check.py) is never uploaded.
 Must not: read from the tiers into the arena (promotion.py) or decide what the object
 store holds beyond its own uploads (object_index.py).
 """
@@ -24,6 +27,7 @@ from functools import partial
 from kvstrata.actors.admission import ReuseAdmission
 from kvstrata.actors.disk_jobs import submit_disk_jobs
 from kvstrata.actors.purge import Purge
+from kvstrata.actors.registration_check import shared_across_nodes
 from kvstrata.actors.store_state import logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.changelog import OBJECT
@@ -138,7 +142,13 @@ class Cascade(ReuseAdmission, Purge):
     def _queue_uploads(
         self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], pinned: bool = True
     ) -> int:
-        """Queue uploads of slots pinned for UPLOAD; the same drop-never-block rule as disk writes."""
+        """Queue uploads of slots pinned for UPLOAD; the same drop-never-block rule as disk writes.
+        A namespace kept to this node (registration_check.py: a non-cryptographic block hash)
+        uploads nothing."""
+        if not shared_across_nodes(self.layouts.get(namespace)):
+            if pinned:
+                pool.unpin(UPLOAD, [slot for _, slot in items])
+            return 0
         log = self._log(namespace)
         accepted: list[tuple[bytes, int]] = []
         for key, slot in items:

@@ -63,6 +63,7 @@ from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.changelog import CPU, STORAGE
 from kvstrata.tiers.disk import DIGEST_THREADS, DiskTier, DiskTierError
 from kvstrata.tiers.object_store import ObjectTier
+from kvstrata.url_credentials import redact_url
 
 # What tests, benchmarks and `client` import from here.
 __all__ = ["LocalStoreClient", "NodeStore", "freeze_startup_heap"]
@@ -151,7 +152,7 @@ class NodeStore(StoreControl):
             self.arena.epoch,
             cpu.capacity,
             self.config.tiers.disk.path if self.disk else "off",
-            self.config.tiers.object.url if self.object else "off",
+            redact_url(self.config.tiers.object.url) if self.object else "off",
             "on" if self.peers else "off",
         )
 

@@ -9,8 +9,10 @@ leaves the chunk nowhere, so the next request is a MISS.
 Owns: the holder `PROMOTE` and the promotions in flight (`_promoting`).
 Invariants: a (namespace, key) is promoted once at a time; every slot reserved for a
 promotion is committed and unpinned, or released, exactly once, by
-`_finish_promotions` under the store lock. Records OBJECT absence only when the object
-store answered (absent or corrupt, not unreachable).
+`_finish_promotions` under the store lock, which commits nothing if the namespace was
+purged since the promotion began (purge.py). Records OBJECT absence only when the object
+store answered (absent or corrupt, not unreachable). A namespace kept to its node
+(registration_check.py) is never promoted from the object store or a peer.
 Must not: copy arena chunks out to the tiers (cascade.py) or sweep the object store
 (object_index.py).
 """
@@ -23,6 +25,7 @@ from functools import partial
 
 from kvstrata.actors.disk_jobs import submit_disk_jobs
 from kvstrata.actors.purge import Purge
+from kvstrata.actors.registration_check import shared_across_nodes
 from kvstrata.actors.store_state import logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.changelog import OBJECT, PEER
@@ -52,6 +55,7 @@ class Promotion(Purge):
         from_disk: list[tuple[bytes, int]] = []
         from_peer: list[tuple[bytes, int]] = []
         from_object: list[tuple[bytes, int]] = []
+        shared = shared_across_nodes(self.layouts.get(namespace))  # registration_check.py
         for key in keys:
             if key in outcome:
                 continue
@@ -60,9 +64,9 @@ class Promotion(Purge):
                 continue
             if key in on_disk:
                 wanted.append((key, from_disk))
-            elif self.peers is not None and log.has(key, PEER) and self.peers.can_fetch(namespace, key):
+            elif shared and self.peers is not None and log.has(key, PEER) and self.peers.can_fetch(namespace, key):
                 wanted.append((key, from_peer))
-            elif self.object is not None and self.object.available() and log.has(key, OBJECT):
+            elif shared and self.object is not None and self.object.available() and log.has(key, OBJECT):
                 wanted.append((key, from_object))
             else:
                 outcome[key] = False

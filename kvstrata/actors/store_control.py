@@ -39,6 +39,7 @@ from kvstrata.actors.cascade import Cascade
 from kvstrata.actors.object_index import ObjectIndex
 from kvstrata.actors.promotion import Promotion
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.actors.registration_check import check_registration
 from kvstrata.actors.store_state import logger
 from kvstrata.namespaces import check_holder, check_namespace, check_tenant
 from kvstrata.tiers.arena import SlotPool
@@ -80,6 +81,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             check_tenant(layout.get("namespace_prefix", ""))
         with self._lock:
             self._expire()
+            check_registration(self, namespace, layout)  # registration_check.py: the layout is the namespace's
             bound = self._holders.get(holder)
             if bound is not None and epoch != bound:
                 self.counters["holders_refused"] += 1
