@@ -53,7 +53,7 @@ class InlineExecutor(Executor):
         return future
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: its arguments may be arrays, which do not compare
 class Job:
     """One queued job: `name` is its function's name (`_write_job`, `_upload_job`, ...)."""
 

@@ -95,7 +95,12 @@ class Purge(StoreState):
             return
         del self._bucket_purges_due[namespace]
         self._bucket_purging[namespace] = self._bucket_purging.get(namespace, 0) + 1
-        self._object_io.submit(self._object_purge_job, namespace, due)
+        try:
+            self._object_io.submit(self._object_purge_job, namespace, due)
+        except RuntimeError:  # the store is closing: its pool takes no new job
+            self._bucket_purges_due[namespace] = due
+            self._ended_bucket_purge(namespace)
+            logger.warning("kvstrata node store: closing before namespace %s was purged from the object store", namespace)
 
     def _retry_bucket_purges(self) -> None:
         """Start the bucket purges that waited for the object tier to answer again (each step; callers hold the lock)."""
@@ -111,12 +116,15 @@ class Purge(StoreState):
             logger.exception("kvstrata node store: purging namespace %s from the object store failed", namespace)
             done = False
         with self._lock:
-            left = self._bucket_purging.pop(namespace) - 1
-            if left:
-                self._bucket_purging[namespace] = left
+            self._ended_bucket_purge(namespace)
             if not done:
                 self._bucket_purges_due[namespace] = max(generation, self._bucket_purges_due.get(namespace, 0))
             self._io_done.notify_all()
+
+    def _ended_bucket_purge(self, namespace: str) -> None:
+        left = self._bucket_purging.pop(namespace) - 1
+        if left:
+            self._bucket_purging[namespace] = left
 
     def _purges_pending(self) -> bool:
         """Whether a bucket purge is due or running (`wait_io`; callers hold the lock)."""

@@ -105,14 +105,16 @@ def assert_nothing_left(store: NodeStore, k: bytes = K) -> None:
     assert again.missing == [k]
 
 
-def test_a_disk_write_queued_before_a_purge_does_not_land_after_it(built, tmp_path):
-    store, executors = built()
-    epoch = commit_old_bytes(store, executors)
-    assert [job.name for job in executors["disk"].pending] == ["_write_job"]
-    purge(store, epoch)
-    executors.run_all()  # the write lands after the purge
-    assert_nothing_left(store)
-    store.close()
+def test_a_disk_write_queued_before_a_purge_does_not_land_after_it(tmp_path):
+    store, executors = build(tmp_path)
+    try:
+        epoch = commit_old_bytes(store, executors)
+        assert [job.name for job in executors["disk"].pending] == ["_write_job"]
+        purge(store, epoch)
+        executors.run_all()  # the write lands after the purge
+        assert_nothing_left(store)
+    finally:
+        store.close()
     restarted = NodeStore(load_config(store.config.model_dump()), "node0")
     try:
         assert restarted.keys(NS, STORAGE) == [], "a restart brought pre-purge bytes back from disk"

@@ -1,8 +1,9 @@
 """The disk tier's index: which chunk is in which record, allocation, eviction and recovery.
 
 Owns: the open slabs of each namespace and, in each, the key of every record, the free
-records, the records with an I/O in flight (`busy`) and the eviction order; the disk
-bytes allocated against `capacity`; the tier's counters; the announcements of index
+records, the records with an I/O in flight (`busy`), the keys being written (`writing`)
+and the eviction order; each namespace's purge generation and the purged slabs whose I/O
+is still in flight (closed when it ends); the disk bytes allocated against `capacity`; the tier's counters; the announcements of index
 changes (`on_change`); rebuilding all of it from the header files at start-up.
 
 Invariants:

@@ -1,15 +1,19 @@
 """The disk tier's public class, `DiskTier`: what callers see, and the lock around it.
 
 Owns: opening a directory as a tier (one store per directory, held by a lock file), the
-public calls (lookups, `write_many`, `start_reads`, `remove`, `stats`, `close`), the
-digest threads and spare buffers the data path uses, and admission.
+public calls (lookups, `write_many` = `begin_write` + `land`, `start_reads`, `remove`,
+`purge`, `stats`, `close`), the digest threads and spare buffers the data path uses, and
+admission.
 
 Invariants:
 - Each call does its index part under the lock and its I/O outside it: records are
   allocated and marked busy before `writes`/`reads` touch them, and settled (indexed,
   freed or dropped, announced, counted) under the lock when their I/O is over.
 - Disk full or I/O errors stop admission (logged once, counted); reads go on.
-- A chunk removed has its header wiped, so a restart does not bring it back.
+- A chunk removed has its header wiped, and a namespace purged has its files unlinked, so
+  a restart does not bring them back.
+- One record per key: a key is written only if it is neither indexed nor being written,
+  and a write indexes nothing if its namespace was purged after it was queued or begun.
 
 Must not touch: the files' layout (`slab.py`), payload bytes or digests (`reads.py`,
 `writes.py`), or allocation and recovery beyond calling the index (`index.py`).
@@ -23,8 +27,8 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +63,6 @@ class DiskWrite:
     items: list[tuple[bytes, np.ndarray]]
     payloads: list[np.ndarray]
     stored: list[bool]  # per item: on disk (already, or once landed)
-    generation: int = 0  # the namespace's generation when it began
     slab: _Slab | None = None
     todo: list[tuple[int, int]] = field(default_factory=list)  # (item index, record), by record
     grow: tuple[int, int] | None = None  # records [start, end) to allocate on disk first
@@ -235,8 +238,7 @@ class DiskTier(SlabIndex):
         write = DiskWrite(self, namespace, items, payloads, [False] * len(items))
         evicted: list[bytes] = []
         with self._lock:
-            write.generation = self._generations.get(namespace, 0)
-            if generation is not None and generation != write.generation:
+            if generation is not None and generation != self._generations.get(namespace, 0):
                 self.counters["dropped_purged"] += len(items)
                 return write
             if not items or (not self.admitting and time.monotonic() < self._retry_at):
