@@ -6,8 +6,8 @@ and `namespace_prefix` -- the tenant, whose quota the namespace counts against a
 sweeps may delete its objects -- is in that digest. The store used to take the prefix (and
 the anchor groups) of a namespace's first registration as sent, so a buggy engine could move
 a namespace into another tenant's quota, whose sweep then deleted its objects. Now the store
-recomputes the digest from the layout and refuses a registration whose layout does not
-digest to the namespace it names. `anchor_groups` stay out of the digest on purpose (an
+recomputes the digest from the layout (over the fields the engine sent: `keys.namespace_of`)
+and refuses a registration whose layout does not digest to the namespace it names. `anchor_groups` stay out of the digest on purpose (an
 engine that knows them shares chunks with one that does not), so they are checked against
 what the digest covers (the layout's group ids) and against the anchors the store already
 knows for the namespace: the first engine that knows them tells, and a later one naming
@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING
 
-from kvstrata.keys import Layout
+from kvstrata.keys import namespace_of
 
 if TYPE_CHECKING:
     from kvstrata.actors.store_state import StoreState
@@ -47,7 +46,6 @@ logger = logging.getLogger("kvstrata.actors.node_store")
 
 # vLLM's prefix-cache hashes that are not collision resistant (vllm/v1/core/kv_cache_utils.py).
 NON_CRYPTOGRAPHIC_HASHES = frozenset({"xxhash", "xxhash_cbor"})
-_LAYOUT_FIELDS = {field.name: field.default is MISSING for field in fields(Layout)}  # name -> required
 
 
 def check_registration(store: StoreState, namespace: str, layout: Mapping[str, object] | None) -> None:
@@ -58,22 +56,18 @@ def check_registration(store: StoreState, namespace: str, layout: Mapping[str, o
     """
     if layout is None:
         return
-    missing = [name for name, required in _LAYOUT_FIELDS.items() if required and name not in layout]
-    if missing:
-        raise ValueError(f"registration of namespace {namespace!r} refused: its layout lacks {', '.join(missing)}")
-    claimed = Layout(**{name: layout[name] for name in _LAYOUT_FIELDS if name in layout})
     try:
-        digest = claimed.namespace
+        digest = namespace_of(layout)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"registration of namespace {namespace!r} refused: its layout does not digest ({exc})") from None
     if digest != namespace:
         raise ValueError(
             f"registration of namespace {namespace!r} refused: its layout (namespace_prefix "
-            f"{claimed.namespace_prefix!r}) is that of namespace {digest!r}"
+            f"{layout.get('namespace_prefix', '')!r}) is that of namespace {digest!r}"
         )
-    if claimed.anchor_groups is not None:
-        anchors = _groups(namespace, "anchor_groups", claimed.anchor_groups)
-        groups = _groups(namespace, "group_ids", claimed.group_ids)
+    if layout.get("anchor_groups") is not None:
+        anchors = _groups(namespace, "anchor_groups", layout["anchor_groups"])
+        groups = _groups(namespace, "group_ids", layout.get("group_ids"))
         if not anchors <= groups:
             raise ValueError(
                 f"registration of namespace {namespace!r} refused: anchor_groups {sorted(anchors)!r} "

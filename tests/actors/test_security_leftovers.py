@@ -150,8 +150,8 @@ def test_a_layout_that_is_not_the_namespaces_is_refused(store):
     with pytest.raises(ValueError, match=f"{namespace}.*tenant-b"):
         store.register("engine-b", namespace, SLOT, moved)
     assert namespace not in store.arena.pools and namespace not in store.layouts  # nothing changed
-    with pytest.raises(ValueError, match=f"{namespace}.*lacks"):
-        store.register("engine-b", namespace, SLOT, {"namespace_prefix": "tenant-a"})
+    with pytest.raises(ValueError, match=f"{namespace}.*is that of namespace"):
+        store.register("engine-b", namespace, SLOT, {"namespace_prefix": "tenant-a"})  # a layout in part
     # Anchor groups are outside the digest: they must be among its groups, and agree.
     with pytest.raises(ValueError, match=r"anchor_groups \[7\]"):
         store.register("engine-b", namespace, SLOT, {**described, "anchor_groups": (7,)})

@@ -14,6 +14,9 @@ back its current generation's bytes. A restart recovers exactly what was indexed
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -34,10 +37,8 @@ def payload(k: bytes, generation: int) -> np.ndarray:
 
 
 class DiskIndexMachine(RuleBasedStateMachine):
-    @initialize(tmp=st.just(None))
-    def open_tier(self, tmp):
-        import tempfile
-
+    @initialize()
+    def open_tier(self):
         self.root = tempfile.mkdtemp(prefix="kvstrata-index-model-")
         self.generation = 0  # purges so far (the model's count; survives restarts)
         self.tier_offset = 0  # the tier counts purges from its own start
@@ -55,8 +56,6 @@ class DiskIndexMachine(RuleBasedStateMachine):
         return tier
 
     def teardown(self):
-        import shutil
-
         for write in self.pending:
             write.land()
         self.tier.close()
