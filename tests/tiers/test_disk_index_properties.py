@@ -56,10 +56,12 @@ class DiskIndexMachine(RuleBasedStateMachine):
         return tier
 
     def teardown(self):
-        for write in self.pending:
-            write.land()
-        self.tier.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            for write in self.pending:
+                write.land()
+            self.tier.close()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3), stale=st.booleans())
     def begin(self, keys, stale):
@@ -119,5 +121,5 @@ class DiskIndexMachine(RuleBasedStateMachine):
             assert np.array_equal(out, payload(k, self.generation)), "a chunk read back bytes of another generation"
 
 
-DiskIndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+DiskIndexMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
 test_disk_index_against_a_model = DiskIndexMachine.TestCase
