@@ -1,0 +1,149 @@
+"""Time to first token on one replica, estimated from measured rates; and the choice among
+replicas under a load bound.
+
+Model (one request on one replica):
+
+    ttft = queue + recompute + load
+    recompute = tokens the replica computes / its measured prefill rate
+    load      = slowest source of the covered prefix: latency + bytes / bandwidth
+                (the node store promotes from disk, peers and the bucket in parallel;
+                the arena part is the worker's copy)
+    queue     = prefill work this router already sent to the replica and not yet done
+
+The covered prefix and the source of each chunk come from `coverage`; rates from the
+node stores (`figures`): each store measures what its disk, peers and bucket deliver
+(`TierEstimates`) and each engine its own prefill rate (`RecomputeRate`). A source slower
+than recomputing its own tokens is priced as recomputing them: an engine with
+`admission.load: break_even` (the default) would recompute them.
+
+Load bound ("consistent hashing with bounded loads", Mirrokni et al. 2018): a replica
+may take a request only while its requests in flight stay within
+`ceil(load_factor * (all in flight + 1) / replicas)`, so a hot prefix spills to the next
+cheapest replica instead of piling onto one. Among the replicas within the bound the
+smallest estimate wins; the others follow in order (Serve tries the next when one is full).
+
+Invariants: pure, except `Backlog`, whose only state is per-replica finish times read
+through an injected clock. Ties keep the caller's order (callers shuffle first).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvstrata.routing.coverage import ARENA, NodeCoverage
+from kvstrata.tiers.estimates import Cost
+
+# What a source costs where nothing was measured yet: order-of-magnitude figures of a
+# GPU node (pinned host memory, local NVMe, a 100 Gb/s peer, an S3 bucket). Measured
+# estimates replace them as soon as the node store has any.
+DEFAULT_COSTS: dict[str, Cost] = {
+    "arena": Cost(0.0, 20e9),
+    "disk": Cost(0.001, 3e9),
+    "peer": Cost(0.002, 5e9),
+    "bucket": Cost(0.02, 0.5e9),
+}
+DEFAULT_PREFILL_TOKENS_PER_SECOND = 5000.0
+
+
+@dataclass(frozen=True)
+class ReplicaRates:
+    """What one replica's node measured: its engines' prefill rate and each source's cost."""
+
+    prefill_tokens_per_second: float
+    costs: Mapping[str, Cost]  # by source name (coverage.SOURCES)
+
+
+@dataclass(frozen=True)
+class TtftEstimate:
+    seconds: float
+    queue_seconds: float
+    recompute_seconds: float
+    load_seconds: float
+    recompute_tokens: int
+    loaded_tokens: int
+    load_by_source: dict[str, float] = field(default_factory=dict)  # seconds per source read
+
+    def parts(self) -> str:
+        """One line for the decision log."""
+        sources = " ".join(f"{name} {seconds * 1000:.1f}" for name, seconds in self.load_by_source.items())
+        return (
+            f"{self.seconds * 1000:.1f} ms = queue {self.queue_seconds * 1000:.1f} + recompute "
+            f"{self.recompute_seconds * 1000:.1f} ({self.recompute_tokens} tok) + load "
+            f"{self.load_seconds * 1000:.1f} ({self.loaded_tokens} tok{': ' + sources if sources else ''})"
+        )
+
+
+def estimate_ttft(
+    prompt_tokens: int, coverage: NodeCoverage, slot_bytes: int, rates: ReplicaRates, queue_seconds: float
+) -> TtftEstimate:
+    """The estimate for one replica whose node sees the prompt as `coverage`."""
+    rate = rates.prefill_tokens_per_second
+    recompute_tokens = prompt_tokens - coverage.servable
+    load_by_source: dict[str, float] = {}
+    load = 0.0
+    for source, keys in coverage.keys_by_source.items():
+        tokens = coverage.tokens_by_source.get(source, 0)
+        cost = rates.costs.get(source) or DEFAULT_COSTS[source]
+        seconds = cost.load_seconds(keys * slot_bytes)
+        if source != ARENA and tokens and seconds > tokens / rate:  # break_even: recomputed instead
+            recompute_tokens += tokens
+            continue
+        load_by_source[source] = seconds
+        load = max(load, seconds)
+    recompute = recompute_tokens / rate
+    return TtftEstimate(
+        seconds=queue_seconds + recompute + load,
+        queue_seconds=queue_seconds,
+        recompute_seconds=recompute,
+        load_seconds=load,
+        recompute_tokens=recompute_tokens,
+        loaded_tokens=prompt_tokens - recompute_tokens,
+        load_by_source=load_by_source,
+    )
+
+
+def load_bound(in_flight: Mapping[Hashable, int], load_factor: float) -> int:
+    """Requests in flight a replica may have after taking one more."""
+    total = sum(in_flight.values())
+    return max(1, math.ceil(load_factor * (total + 1) / max(1, len(in_flight))))
+
+
+def rank_replicas(
+    replicas: Sequence[Hashable],
+    estimates: Mapping[Hashable, float],
+    in_flight: Mapping[Hashable, int],
+    load_factor: float,
+) -> list[Hashable]:
+    """Replicas in the order to try them: within the load bound by estimate, then the rest
+    by load and estimate. `in_flight` has an entry for every replica."""
+    bound = load_bound({r: in_flight.get(r, 0) for r in replicas}, load_factor)
+    within = [r for r in replicas if in_flight.get(r, 0) + 1 <= bound]
+    beyond = [r for r in replicas if in_flight.get(r, 0) + 1 > bound]
+    within.sort(key=lambda r: estimates[r])
+    beyond.sort(key=lambda r: (in_flight.get(r, 0), estimates[r]))
+    return within + beyond
+
+
+class Backlog:
+    """Per replica, when the prefill work this router sent it should be done: each request
+    starts when the one before it ends (`max(now, finish) + seconds`). Not thread-safe:
+    the router calls it from its event loop only."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._finish: dict[Hashable, float] = {}
+
+    def wait(self, replica: Hashable) -> float:
+        """Seconds a request sent now would wait behind earlier ones."""
+        return max(0.0, self._finish.get(replica, 0.0) - self._clock())
+
+    def add(self, replica: Hashable, seconds: float) -> None:
+        now = self._clock()
+        self._finish[replica] = max(now, self._finish.get(replica, now)) + max(0.0, seconds)
+
+    def forget(self, keep: set[Hashable]) -> None:
+        for replica in [r for r in self._finish if r not in keep]:
+            del self._finish[replica]
