@@ -20,10 +20,11 @@ exceeds `PromptChunks.loadable_tokens`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvstrata.actors.directory import BUCKET_HOLDER, split_holder
+from kvstrata.actors.directory import BUCKET_HOLDER, holder_label, split_holder
 from kvstrata.routing.keys import PromptChunks
 from kvstrata.tiers.changelog import CPU, STORAGE
 
@@ -168,3 +169,57 @@ def _node_coverage(chunks: PromptChunks, arena: int, disk: int, others: int, buc
         tokens_by_source=tokens,
         keys_by_source=keys,
     )
+
+
+class PendingChunks:
+    """Chunks a router just sent to a node, before the directory can know of them.
+
+    Why: an engine stores a prompt's chunks only once it has computed them, and the
+    directory hears of them one sync later -- a second or more after the request was
+    routed. Two requests that share a new prefix (a system prompt, a conversation's
+    turns sent close together) would otherwise both look uncovered everywhere and could
+    land on different nodes, each computing and storing the prefix. So the router notes,
+    for `ttl_seconds`, the chunks of each request it routed as being in that node's
+    arena, and reads them as such (`masks`) until the directory says where they are.
+
+    Invariants: entries expire `ttl_seconds` after they were noted (a request that failed
+    or whose chunks were never stored costs nothing after that); at most `max_keys` keys
+    are kept (the oldest go first). Not thread-safe: the router's event loop only.
+    """
+
+    def __init__(self, ttl_seconds: float = 10.0, clock: Callable[[], float] = time.monotonic, max_keys: int = 200_000):
+        self._ttl = ttl_seconds
+        self._clock = clock
+        self._max = max_keys
+        self._until: dict[tuple[str, bytes], float] = {}  # (node, key) -> expiry, oldest first
+
+    def add(self, node_id: str, keys: Iterable[bytes]) -> None:
+        until = self._clock() + self._ttl
+        for key in keys:
+            self._until.pop((node_id, key), None)  # re-inserted: now the newest
+            self._until[(node_id, key)] = until
+        self._expire()
+
+    def masks(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """Holder (`<node>/CPU`) -> mask over `keys` of the chunks noted there and not expired."""
+        self._expire()
+        if not self._until:
+            return {}
+        nodes = {node for node, _ in self._until}
+        out: dict[str, int] = {}
+        for node in nodes:
+            mask = 0
+            for bit, key in enumerate(keys):
+                if (node, key) in self._until:
+                    mask |= 1 << bit
+            if mask:
+                out[holder_label(node, CPU)] = mask
+        return out
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._until:
+            oldest = next(iter(self._until))
+            if self._until[oldest] > now and len(self._until) <= self._max:
+                break
+            del self._until[oldest]

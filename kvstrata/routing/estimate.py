@@ -8,7 +8,11 @@ Model (one request on one replica):
     load      = slowest source of the covered prefix: latency + bytes / bandwidth
                 (the node store promotes from disk, peers and the bucket in parallel;
                 the arena part is the worker's copy)
-    queue     = prefill work this router already sent to the replica and not yet done
+    queue     = the wait behind prefill work this router already sent to the replica and
+                not yet done, as vLLM's continuous batching shares it: a request shares
+                each step's token budget with the k requests in flight, so it waits at
+                most k times its own work, and never more than the work queued
+                (min(backlog, k * (recompute + load)))
 
 The covered prefix and the source of each chunk come from `coverage`; rates from the
 node stores (`figures`): each store measures what its disk, peers and bucket deliver
@@ -77,9 +81,15 @@ class TtftEstimate:
 
 
 def estimate_ttft(
-    prompt_tokens: int, coverage: NodeCoverage, slot_bytes: int, rates: ReplicaRates, queue_seconds: float
+    prompt_tokens: int,
+    coverage: NodeCoverage,
+    slot_bytes: int,
+    rates: ReplicaRates,
+    backlog_seconds: float = 0.0,
+    in_flight: int = 0,
 ) -> TtftEstimate:
-    """The estimate for one replica whose node sees the prompt as `coverage`."""
+    """The estimate for one replica whose node sees the prompt as `coverage`, with
+    `backlog_seconds` of work and `in_flight` requests already sent there."""
     rate = rates.prefill_tokens_per_second
     recompute_tokens = prompt_tokens - coverage.servable
     load_by_source: dict[str, float] = {}
@@ -94,6 +104,7 @@ def estimate_ttft(
         load_by_source[source] = seconds
         load = max(load, seconds)
     recompute = recompute_tokens / rate
+    queue_seconds = min(backlog_seconds, in_flight * (recompute + load))
     return TtftEstimate(
         seconds=queue_seconds + recompute + load,
         queue_seconds=queue_seconds,

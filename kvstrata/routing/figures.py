@@ -41,7 +41,14 @@ class NodeFigures:
 
     def namespaces(self, model: str | None) -> list[str]:
         """The namespaces of `model` on this node (every one when no model is named)."""
-        return [ns for ns in self.schemes if model is None or model in self.models.get(ns, ())]
+        return [ns for ns in self.schemes if model is None or any(names_model(model, m) for m in self.models.get(ns, ()))]
+
+
+def names_model(model: str, registered: str) -> bool:
+    """Whether an engine that registered `registered` serves `model` (a Serve LLM
+    `model_source`): the same string, or the local copy Serve downloaded a Hugging Face
+    id to (`.../models--org--name/snapshots/<revision>`)."""
+    return registered == model or f"models--{model.replace('/', '--')}/" in registered
 
 
 def node_figures(node_id: str, stats: Mapping[str, Any]) -> NodeFigures:

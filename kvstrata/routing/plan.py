@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.routing.coverage import ClusterCoverage, NodeCoverage, cluster_coverage
+from kvstrata.routing.coverage import ClusterCoverage, NodeCoverage, PendingChunks, cluster_coverage
 from kvstrata.routing.figures import ClusterFigures
 from kvstrata.routing.keys import Hasher, KeyScheme, PromptChunks, block_hashes, prompt_chunks
 from kvstrata.routing.lookup import DirectoryUnavailable, directory_coverage
@@ -75,24 +75,33 @@ def plan_prompt(
     return PromptPlan(len(token_ids), chunks, nodes)
 
 
-async def cluster_coverages(plan: PromptPlan, figures: ClusterFigures, timeout_s: float) -> dict[str, ClusterCoverage]:
-    """Namespace -> every candidate node's coverage and the bucket's: one batched directory call."""
+async def cluster_coverages(
+    plan: PromptPlan, figures: ClusterFigures, timeout_s: float, pending: PendingChunks | None = None
+) -> dict[str, ClusterCoverage]:
+    """Namespace -> every candidate node's coverage and the bucket's: one batched directory
+    call; with `pending`, the chunks this router just sent somewhere count as there."""
     try:
         masks = await directory_coverage(
             figures.shards, {namespace: chunks.keys for namespace, chunks in plan.chunks.items()}, timeout_s
         )
     except DirectoryUnavailable:
         raise NoCoverage("directory_unavailable") from None
+    if pending is not None:
+        for namespace, chunks in plan.chunks.items():
+            for holder, mask in pending.masks(chunks.keys).items():
+                masks[namespace][holder] = masks[namespace].get(holder, 0) | mask
     return {
         namespace: cluster_coverage(chunks, masks[namespace], plan.nodes[namespace])
         for namespace, chunks in plan.chunks.items()
     }
 
 
-async def covered_by_node(plan: PromptPlan, figures: ClusterFigures, timeout_s: float) -> dict[str, tuple[NodeCoverage, int]]:
+async def covered_by_node(
+    plan: PromptPlan, figures: ClusterFigures, timeout_s: float, pending: PendingChunks | None = None
+) -> dict[str, tuple[NodeCoverage, int]]:
     """Node -> (its best coverage over its namespaces, that namespace's chunk bytes)."""
     best: dict[str, tuple[NodeCoverage, int]] = {}
-    for namespace, coverage in (await cluster_coverages(plan, figures, timeout_s)).items():
+    for namespace, coverage in (await cluster_coverages(plan, figures, timeout_s, pending)).items():
         for node_id in plan.nodes[namespace]:
             mine = coverage.of(node_id)
             if node_id not in best or mine.servable > best[node_id][0].servable:

@@ -42,7 +42,7 @@ from typing import Any
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvstrata.routing.coverage import NodeCoverage
+from kvstrata.routing.coverage import NodeCoverage, PendingChunks
 from kvstrata.routing.estimate import (
     DEFAULT_COSTS,
     DEFAULT_PREFILL_TOKENS_PER_SECOND,
@@ -70,6 +70,8 @@ class Decision:
     coverage: dict[ReplicaID, NodeCoverage]
     prompt_tokens: int
     lookup_seconds: float
+    request_id: str = ""  # Serve's (an HTTP request's `x-request-id`)
+    keys: tuple[bytes, ...] = ()  # the prompt's chunks, in every namespace looked up
 
 
 class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -89,6 +91,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         lora_paths: Mapping[str, str] | None = None,
         ledger: bool = True,
         ledger_flush_seconds: float = 1.0,
+        pending_seconds: float = 10.0,
         seed: int | None = None,
     ) -> None:
         """Kwargs of `request_router_kwargs`:
@@ -102,7 +105,9 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             engine has measured its own. hash_seed: the engines' PYTHONHASHSEED where
             they set one. lora_paths: adapter name -> the path engines load it from
             (part of vLLM's block hash). ledger: send decisions to the deployment's
-            ledger. seed: of the tie-breaking shuffle (tests).
+            ledger. pending_seconds: how long a routed request's chunks count as in its
+            node's arena before the directory knows of them. seed: of the tie-breaking
+            shuffle (tests).
         """
         if load_factor < 1.0:
             raise ValueError(f"kvstrata router: load_factor must be >= 1, not {load_factor}")
@@ -119,6 +124,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._figures: ClusterFigures | None = None
         self._refresher: asyncio.Task | None = None
         self._backlog = Backlog()
+        self._pending = PendingChunks(pending_seconds)
         self._in_flight: dict[ReplicaID, int] = {}
         self._decisions: dict[str, tuple[Decision, ReplicaID]] = {}
         self.counters: dict[str, int] = {}
@@ -156,6 +162,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             logger.exception("kvstrata router: routing by estimate failed; routing as power of two choices")
             return await self._fallback(candidate_replicas, pending_request, "error")
         decision.lookup_seconds = time.perf_counter() - started
+        decision.request_id = pending_request.metadata.request_id
         self._commit(request_id, decision)
         by_id = {r.replica_id: r for r in candidates}
         return [[by_id[rid]] for rid in decision.ranking]
@@ -172,6 +179,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         coverage = decision.coverage.get(replica_id)
         self._ledger.add(
             {
+                "request_id": decision.request_id,
                 "replica": replica_id.unique_id,
                 "node": replica.node_id if replica is not None else None,
                 "decision": decision.kind,
@@ -221,7 +229,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             lora,
             getattr(body, "cache_salt", None),
         )
-        coverage = await covered_by_node(plan, figures, self._lookup_timeout_s)
+        coverage = await covered_by_node(plan, figures, self._lookup_timeout_s, self._pending)
         estimates: dict[ReplicaID, TtftEstimate] = {}
         per_replica: dict[ReplicaID, NodeCoverage] = {}
         for replica in candidates:
@@ -233,20 +241,29 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 {**DEFAULT_COSTS, **(node.costs if node is not None else {})},
             )
             estimates[replica.replica_id] = estimate_ttft(
-                plan.prompt_tokens, node_coverage, slot_bytes, rates, self._backlog.wait(replica.replica_id)
+                plan.prompt_tokens,
+                node_coverage,
+                slot_bytes,
+                rates,
+                self._backlog.wait(replica.replica_id),
+                self._in_flight.get(replica.replica_id, 0),
             )
         order = [r.replica_id for r in candidates]
         self._random.shuffle(order)  # ties go anywhere, not always to the first replica listed
         ranking = rank_replicas(
             order, {rid: e.seconds for rid, e in estimates.items()}, self._in_flight_of(order), self._load_factor
         )
-        return Decision(ranking, "estimate", estimates, per_replica, plan.prompt_tokens, 0.0)
+        keys = tuple(key for chunks in plan.chunks.values() for key in chunks.keys)
+        return Decision(ranking, "estimate", estimates, per_replica, plan.prompt_tokens, 0.0, keys=keys)
 
     def _commit(self, request_id: str, decision: Decision) -> None:
         chosen = decision.ranking[0]
         estimate = decision.estimates[chosen]
         self._in_flight[chosen] = self._in_flight.get(chosen, 0) + 1
         self._backlog.add(chosen, estimate.recompute_seconds + estimate.load_seconds)
+        replica = self._replicas.get(chosen)
+        if replica is not None:  # its engine will hold these chunks: the next request sharing them knows now
+            self._pending.add(replica.node_id, decision.keys)
         self._decisions[request_id] = (decision, chosen)
         self._count("estimate")
         self._metrics.covered(decision.coverage[chosen].servable)
@@ -254,7 +271,6 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             logger.info("kvstrata router: routing by estimate again (after %s)", ", ".join(sorted(self._failing)))
             self._failing.clear()
         if logger.isEnabledFor(logging.DEBUG):
-            replica = self._replicas.get(chosen)
             others = ", ".join(
                 f"{rid.unique_id[-8:]} {decision.estimates[rid].seconds * 1000:.1f} ms" for rid in decision.ranking[1:]
             )
@@ -291,7 +307,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if pending_request is not None and chosen and chosen[0]:
             first = chosen[0][0].replica_id
             self._in_flight[first] = self._in_flight.get(first, 0) + 1
-            decision = Decision([r.replica_id for r in chosen[0]], kind, {}, {}, 0, 0.0)
+            decision = Decision([r.replica_id for r in chosen[0]], kind, {}, {}, 0, 0.0, pending_request.metadata.request_id)
             self._decisions[pending_request.metadata.internal_request_id] = (decision, first)
         return chosen
 
@@ -308,6 +324,9 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
 
     async def _refresh_forever(self) -> None:
+        # What the first look-up would otherwise pay inside its budget: loading the
+        # tokenizer and importing vLLM's hashing (seconds, once per process).
+        await asyncio.to_thread(_warm_up, self._tokenizers)
         while True:
             try:
                 nodes = {r.node_id for r in self._replicas.values()}
@@ -319,6 +338,11 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def set_figures(self, figures: ClusterFigures) -> None:
         """Use these figures (tests, tools); a running refresh replaces them in its next period."""
         self._figures = figures
+
+
+def _warm_up(tokenizers: Tokenizers) -> None:
+    tokenizers.get()
+    import kvstrata.connector.compat  # noqa: F401 - vLLM's hashing, for the first request's keys
 
 
 class _Metrics:

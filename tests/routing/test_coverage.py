@@ -71,3 +71,21 @@ def test_the_directory_answers_with_one_mask_per_holder_and_shards_merge_back_in
     assert merged[BUCKET_HOLDER] == mask(*range(40))
     assert merged[holder_label("a", "CPU")] == mask(*(p for where in positions.values() for p in where[:4]))
     assert shards[0].coverage("other-namespace", keys) == {}
+
+
+def test_chunks_just_routed_count_as_in_that_node_s_arena_until_they_expire():
+    from kvstrata.routing.coverage import PendingChunks
+    from tests.utils import FakeClock
+
+    clock = FakeClock()
+    pending = PendingChunks(ttl_seconds=10, clock=clock, max_keys=4)
+    prompt = chunks()
+    pending.add("a", prompt.keys[:3])
+    assert pending.masks(prompt.keys) == {holder_label("a", "CPU"): mask(0, 1, 2)}
+    seen = cluster_coverage(prompt, pending.masks(prompt.keys), ["a", "b"])
+    assert seen.of("a").arena == 3 * CHUNK and seen.of("b").peer == 3 * CHUNK
+    clock.advance(5)
+    pending.add("b", prompt.keys[3:5])  # over max_keys: the oldest entry goes
+    assert pending.masks(prompt.keys) == {holder_label("a", "CPU"): mask(1, 2), holder_label("b", "CPU"): mask(3, 4)}
+    clock.advance(6)  # a's entries are 11 s old
+    assert pending.masks(prompt.keys) == {holder_label("b", "CPU"): mask(3, 4)}

@@ -20,10 +20,10 @@ def covered(**tokens: int) -> NodeCoverage:
 
 def test_more_of_the_prefix_in_a_faster_tier_is_the_smaller_estimate():
     rates = ReplicaRates(2000.0, COSTS)
-    nothing = estimate_ttft(4096, covered(), SLOT, rates, 0.0)
-    in_arena = estimate_ttft(4096, covered(arena=3840), SLOT, rates, 0.0)
-    on_disk = estimate_ttft(4096, covered(disk=3840), SLOT, rates, 0.0)
-    half = estimate_ttft(4096, covered(arena=2048), SLOT, rates, 0.0)
+    nothing = estimate_ttft(4096, covered(), SLOT, rates)
+    in_arena = estimate_ttft(4096, covered(arena=3840), SLOT, rates)
+    on_disk = estimate_ttft(4096, covered(disk=3840), SLOT, rates)
+    half = estimate_ttft(4096, covered(arena=2048), SLOT, rates)
     assert in_arena.seconds < on_disk.seconds < half.seconds < nothing.seconds
     assert nothing.seconds == pytest.approx(4096 / 2000)
     assert in_arena.recompute_tokens == 256 and in_arena.load_by_source == {ARENA: pytest.approx(15 * SLOT / 10e9)}
@@ -31,23 +31,27 @@ def test_more_of_the_prefix_in_a_faster_tier_is_the_smaller_estimate():
 
 
 def test_a_replica_that_prefills_faster_can_beat_one_holding_more():
-    slow_with_cache = estimate_ttft(4096, covered(arena=1024), SLOT, ReplicaRates(1000.0, COSTS), 0.0)
-    fast_cold = estimate_ttft(4096, covered(), SLOT, ReplicaRates(8000.0, COSTS), 0.0)
+    slow_with_cache = estimate_ttft(4096, covered(arena=1024), SLOT, ReplicaRates(1000.0, COSTS))
+    fast_cold = estimate_ttft(4096, covered(), SLOT, ReplicaRates(8000.0, COSTS))
     assert fast_cold.seconds < slow_with_cache.seconds  # 0.51 s against 3.07 s
 
 
 def test_a_source_slower_than_recomputing_is_priced_as_recomputing():
     rates = ReplicaRates(20000.0, COSTS)  # fast prefill: the 50 MB/s bucket loses (break_even)
-    bucket = estimate_ttft(4096, covered(bucket=3840), SLOT, rates, 0.0)
+    bucket = estimate_ttft(4096, covered(bucket=3840), SLOT, rates)
     assert bucket.recompute_tokens == 4096 and bucket.load_by_source == {}
     assert bucket.seconds == pytest.approx(4096 / 20000)
 
 
-def test_queued_work_counts():
+def test_queued_work_counts_as_continuous_batching_shares_it():
     rates = ReplicaRates(2000.0, COSTS)
-    busy = estimate_ttft(4096, covered(arena=3840), SLOT, rates, queue_seconds=2.5)
-    idle = estimate_ttft(4096, covered(), SLOT, rates, 0.0)
-    assert idle.seconds < busy.seconds and busy.queue_seconds == 2.5
+    idle = estimate_ttft(4096, covered(), SLOT, rates)
+    busy = estimate_ttft(4096, covered(arena=2048), SLOT, rates, backlog_seconds=2.5, in_flight=3)
+    assert idle.seconds < busy.seconds and busy.queue_seconds == 2.5  # 3 x 1.02 s of its own work > 2.5 s
+    # A cheap request shares the steps with the one in flight rather than waiting it out.
+    cheap = estimate_ttft(4096, covered(arena=3840), SLOT, rates, backlog_seconds=2.5, in_flight=1)
+    assert cheap.queue_seconds == pytest.approx(cheap.recompute_seconds + cheap.load_seconds)
+    assert cheap.seconds < idle.seconds
 
 
 def test_the_load_bound_spills_a_hot_prefix_to_the_next_replica():

@@ -112,6 +112,19 @@ def test_a_hot_prefix_spills_over_the_load_bound_and_comes_back_as_requests_comp
     asyncio.run(run())
 
 
+def test_requests_sharing_a_new_prefix_follow_the_first_before_the_directory_knows_it():
+    async def run():
+        made = router(DirectoryShard(0))  # nothing stored anywhere yet
+        first = (await choose(made, request(1)))[0]
+        follow = [(await choose(made, request(n)))[0] for n in (2, 3)]
+        assert follow[0] == first  # the first request's chunks are on their way into that arena
+        assert follow[1] != first  # three in flight: the load bound spills the third
+        decision, _ = made._decisions["i2"]
+        assert decision.coverage[decision.ranking[0]].arena == 9 * 128
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     "shard, pending, reason",
     [
