@@ -1,9 +1,9 @@
 """Routing a multi-turn trace under Ray Serve LLM: TierAwareRouter against Serve's
 PowerOfTwoChoices and PrefixCacheAffinityRouter, in one run, on the same trace.
 
-    python benchmarks/routing.py [--conversations 9] [--turns 4] [--system-prompts 3]
-                                 [--concurrency 2] [--routers tier_aware,power_of_two,prefix_affinity]
-                                 [--json out.json]
+    python benchmarks/routing.py [--conversations 18] [--turns 4] [--system-prompts 6]
+                                 [--hot-share 0] [--concurrency 2] [--peer-x 3] [--disk-x 2.5]
+                                 [--routers tier_aware,power_of_two,prefix_affinity] [--json out.json]
 
 What runs, on this machine only (loopback):
 - Two simulated nodes (`ray.cluster_utils.Cluster`), one LLMServer replica pinned to
@@ -33,7 +33,8 @@ What runs, on this machine only (loopback):
 - vLLM's own KV cache holds the two requests a replica runs at once (100 blocks of 32
   tokens), a small fraction of the arena, as HBM is of host memory on a GPU node.
 - The trace: `--system-prompts` shared system prompts of 768 tokens, `--conversations`
-  conversations (round-robin over them), `--turns` turns each (a 160-token user message,
+  conversations (round-robin over them; with `--hot-share` that share of the
+  conversations all use the first, as one popular application would), `--turns` turns each (a 160-token user message,
   an 8-token greedy reply); turns go in rounds (every conversation's turn 1, then turn 2,
   ...), each round shuffled (seeded), `--concurrency` requests in flight.
 - Per router: a fresh app, fresh stores, disks and bucket prefix, the same warm-up (four
@@ -130,7 +131,11 @@ def trace(args: argparse.Namespace) -> list[list[tuple[int, dict[str, str]]]]:
 
 
 def system_prompt(args: argparse.Namespace, conversation: int) -> dict[str, str]:
-    return {"role": "system", "content": words(f"system{conversation % args.system_prompts}", 768)}
+    """Conversations take the system prompts in turn; with `--hot-share`, that share of them
+    all take system prompt 0 (one popular application) and the rest the others in turn."""
+    hot = round(args.hot_share * args.conversations)
+    index = 0 if conversation < hot else (conversation - hot) % max(1, args.system_prompts - (hot > 0)) + (hot > 0)
+    return {"role": "system", "content": words(f"system{index}", 768)}
 
 
 def working_set_chunks(args: argparse.Namespace, tokenizer: Any) -> int:
@@ -268,6 +273,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-prompts", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--hot-share", type=float, default=0.0, help="share of conversations on system prompt 0")
     parser.add_argument("--peer-x", type=float, default=3.0, help="peer bandwidth, times break-even")
     parser.add_argument("--disk-x", type=float, default=2.5, help="disk read bandwidth, times break-even")
     parser.add_argument("--prefill-guess", type=float, default=1200.0,

@@ -13,7 +13,8 @@ tokenize+hash column), named in 256-token chunks with sha256 (vLLM's default).
 
 - Latency: `plan_prompt` (tokenize, hash, name the keys) then `cluster_coverages` (one
   `coverage` call per shard, all in flight, and the per-node merge), medians of
-  `--rounds`. Reference, same run: one no-op call (`ping`) to every shard, in flight
+  `--rounds`; then, apart, what the router does after it: an estimate for each of 8
+  replicas per node and the ranking (at 64 nodes: 512 replicas). Reference, same run: one no-op call (`ping`) to every shard, in flight
   together -- the floor of any one-round look-up.
 - Throughput of one shard: `coverage` calls for the 8k prompt with all its keys in one
   call (the worst case: with S shards each call carries 1/S of them), 64 in flight from
@@ -39,6 +40,7 @@ from typing import Any
 import ray
 
 from kvstrata.actors.directory import DirectoryShard, shard_of
+from kvstrata.routing.estimate import DEFAULT_COSTS, ReplicaRates, estimate_ttft, rank_replicas
 from kvstrata.routing.figures import ClusterFigures, NodeFigures
 from kvstrata.routing.keys import KeyScheme, chunks_of_prompt
 from kvstrata.routing.plan import cluster_coverages, plan_prompt
@@ -49,6 +51,16 @@ NS = "bench-routing"
 MODEL = "bench-model"
 SCHEME = KeyScheme(NS, 32, (256,), (0,), None, "sha256", 512 << 10)
 NOISE = 5000
+REPLICAS_PER_NODE = 8
+
+
+def choose(coverage: Any, prompt_tokens: int, per_node: int) -> list:
+    """What the router does per request once it has the coverage: every replica's estimate, the ranking."""
+    rates = ReplicaRates(5000.0, DEFAULT_COSTS)
+    replicas = [(node, r) for node in coverage.nodes for r in range(per_node)]
+    estimates = {(node, r): estimate_ttft(prompt_tokens, coverage.of(node), SCHEME.slot_bytes, rates, 0.1 * r, r)
+                 for node, r in replicas}  # fmt: skip
+    return rank_replicas(replicas, {k: e.seconds for k, e in estimates.items()}, {k: k[1] for k in replicas}, 1.25)
 
 
 def chat(tokens: int) -> Any:
@@ -107,6 +119,11 @@ def latency(args: argparse.Namespace, tokenizers: Tokenizers, loop: asyncio.Abst
                 plan_s.append(planned - started)
                 directory_s.append(done - planned)
             servable = max(c.servable for c in coverage[NS].nodes.values())
+            choose_s = []
+            for _ in range(max(5, args.rounds // 10)):  # the router's per-request work after the look-up
+                started = time.perf_counter()
+                choose(coverage[NS], plan.prompt_tokens, REPLICAS_PER_NODE)
+                choose_s.append(time.perf_counter() - started)
             rows.append({
                 "nodes": node_count, "prompt_tokens": plan.prompt_tokens, "keys": len(keys),
                 "tokenize_hash_ms": statistics.median(plan_s) * 1e3,
@@ -114,12 +131,15 @@ def latency(args: argparse.Namespace, tokenizers: Tokenizers, loop: asyncio.Abst
                 "total_ms": statistics.median(p + d for p, d in zip(plan_s, directory_s)) * 1e3,
                 "p90_total_ms": sorted(p + d for p, d in zip(plan_s, directory_s))[int(0.9 * args.rounds)] * 1e3,
                 "reference_ping_all_shards_ms": statistics.median(floor_s) * 1e3,
+                "estimate_and_rank_ms": statistics.median(choose_s) * 1e3,
+                "replicas": node_count * REPLICAS_PER_NODE,
                 "servable_tokens_best_node": servable,
             })  # fmt: skip
             print(
                 f"{node_count:>3} nodes {plan.prompt_tokens:>5} tokens ({len(keys)} keys): look-up "
                 f"{rows[-1]['total_ms']:.2f} ms (tokenize+hash {rows[-1]['tokenize_hash_ms']:.2f}, directory+merge "
-                f"{rows[-1]['directory_merge_ms']:.2f}); reference ping of {args.shards} shards "
+                f"{rows[-1]['directory_merge_ms']:.2f}); estimate+rank of {node_count * REPLICAS_PER_NODE} replicas "
+                f"{rows[-1]['estimate_and_rank_ms']:.2f} ms; reference ping of {args.shards} shards "
                 f"{rows[-1]['reference_ping_all_shards_ms']:.2f} ms"
             )
         for shard in shards:

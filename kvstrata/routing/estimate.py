@@ -24,7 +24,9 @@ Load bound ("consistent hashing with bounded loads", Mirrokni et al. 2018): a re
 may take a request only while its requests in flight stay within
 `ceil(load_factor * (all in flight + 1) / replicas)`, so a hot prefix spills to the next
 cheapest replica instead of piling onto one. Among the replicas within the bound the
-smallest estimate wins; the others follow in order (Serve tries the next when one is full).
+smallest estimate wins, where estimates within a margin of it count as equal and the one
+holding more of the prefix on its own node goes first; the others follow in order
+(Serve tries the next when one is full).
 
 Invariants: pure, except `Backlog`, whose only state is per-replica finish times read
 through an injected clock. Ties keep the caller's order (callers shuffle first).
@@ -127,14 +129,28 @@ def rank_replicas(
     estimates: Mapping[Hashable, float],
     in_flight: Mapping[Hashable, int],
     load_factor: float,
+    local_tokens: Mapping[Hashable, int] | None = None,
+    margin: float = 0.0,
 ) -> list[Hashable]:
     """Replicas in the order to try them: within the load bound by estimate, then the rest
-    by load and estimate. `in_flight` has an entry for every replica."""
+    by load and estimate. `in_flight` has an entry for every replica.
+
+    Within the bound, estimates less than `margin` (a fraction) above the best count as
+    equal, and among those the replica whose node holds more of the prefix itself
+    (`local_tokens`: its arena and disk) goes first: an estimate's error is larger than
+    such a difference, and moving a request off the node that holds its prefix makes a
+    second copy of it in another arena, which costs later requests.
+    """
     bound = load_bound({r: in_flight.get(r, 0) for r in replicas}, load_factor)
     within = [r for r in replicas if in_flight.get(r, 0) + 1 <= bound]
     beyond = [r for r in replicas if in_flight.get(r, 0) + 1 > bound]
     within.sort(key=lambda r: estimates[r])
     beyond.sort(key=lambda r: (in_flight.get(r, 0), estimates[r]))
+    if within and local_tokens and margin > 0:
+        limit = estimates[within[0]] * (1.0 + margin)
+        near = [r for r in within if estimates[r] <= limit]
+        near.sort(key=lambda r: -local_tokens.get(r, 0))  # stable: by estimate among equals
+        within = near + within[len(near) :]
     return within + beyond
 
 

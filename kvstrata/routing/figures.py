@@ -88,6 +88,21 @@ class ClusterFigures:
     shards: list[Any] = field(default_factory=list)  # directory shard handles, by shard number
     unreachable: int = 0  # stores that did not answer the last refresh
 
+    def costs(self, node_id: str, defaults: Mapping[str, Cost]) -> dict[str, Cost]:
+        """Each source's cost on a node: its own measurement; else the median of what the
+        other nodes measured (a node that never fetched from a peer yet is no faster at it
+        than the others); else `defaults`."""
+        own = self.nodes.get(node_id)
+        out = dict(defaults)
+        for source in defaults:
+            if own is not None and source in own.costs:
+                out[source] = own.costs[source]
+                continue
+            seen = sorted((n.costs[source] for n in self.nodes.values() if source in n.costs), key=lambda c: c.bytes_per_second)
+            if seen:
+                out[source] = seen[len(seen) // 2]
+        return out
+
     def prefill_rate(self, node_id: str, default: float) -> float:
         """The node's measured prefill rate; else the median of the nodes that measured one; else `default`."""
         own = self.nodes.get(node_id)

@@ -42,7 +42,7 @@ from typing import Any
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvstrata.routing.coverage import NodeCoverage, PendingChunks
+from kvstrata.routing.coverage import ARENA, DISK, NodeCoverage, PendingChunks
 from kvstrata.routing.estimate import (
     DEFAULT_COSTS,
     DEFAULT_PREFILL_TOKENS_PER_SECOND,
@@ -83,6 +83,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         tokenizer: str | None = None,
         trust_remote_code: bool = False,
         load_factor: float = 1.25,
+        margin: float = 0.1,
         decision_timeout_s: float = 0.25,
         lookup_timeout_s: float = 0.1,
         refresh_seconds: float = 5.0,
@@ -99,7 +100,9 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         model: the model as the engines name it (`model_source`); picks its namespaces
             in the node stores (all of them when not given). tokenizer: where to load the
             tokenizer from (default: `model`). load_factor: a replica may hold at most
-            this times the mean requests in flight (+1). decision_timeout_s: the whole
+            this times the mean requests in flight (+1). margin: estimates within this
+            fraction of the best count as equal, and the replica whose node holds more
+            of the prefix wins among them. decision_timeout_s: the whole
             look-up's budget; lookup_timeout_s: the directory call's. refresh_seconds:
             how often node figures are read (0: never; `set_figures` gives them). default_prefill_tokens_per_second: until an
             engine has measured its own. hash_seed: the engines' PYTHONHASHSEED where
@@ -114,6 +117,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._model = model
         self._tokenizers = Tokenizers(tokenizer or model, trust_remote_code)
         self._load_factor = load_factor
+        self._margin = margin
         self._decision_timeout_s = decision_timeout_s
         self._lookup_timeout_s = lookup_timeout_s
         self._refresh_seconds = refresh_seconds
@@ -235,10 +239,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         for replica in candidates:
             node_coverage, slot_bytes = coverage.get(replica.node_id, (NodeCoverage(0, 0, 0, 0), 0))
             per_replica[replica.replica_id] = node_coverage
-            node = figures.nodes.get(replica.node_id)
             rates = ReplicaRates(
-                figures.prefill_rate(replica.node_id, self._default_rate),
-                {**DEFAULT_COSTS, **(node.costs if node is not None else {})},
+                figures.prefill_rate(replica.node_id, self._default_rate), figures.costs(replica.node_id, DEFAULT_COSTS)
             )
             estimates[replica.replica_id] = estimate_ttft(
                 plan.prompt_tokens,
@@ -250,8 +252,14 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             )
         order = [r.replica_id for r in candidates]
         self._random.shuffle(order)  # ties go anywhere, not always to the first replica listed
+        local = {rid: c.tokens_by_source.get(ARENA, 0) + c.tokens_by_source.get(DISK, 0) for rid, c in per_replica.items()}
         ranking = rank_replicas(
-            order, {rid: e.seconds for rid, e in estimates.items()}, self._in_flight_of(order), self._load_factor
+            order,
+            {rid: e.seconds for rid, e in estimates.items()},
+            self._in_flight_of(order),
+            self._load_factor,
+            local,
+            self._margin,
         )
         keys = tuple(key for chunks in plan.chunks.values() for key in chunks.keys)
         return Decision(ranking, "estimate", estimates, per_replica, plan.prompt_tokens, 0.0, keys=keys)

@@ -84,3 +84,12 @@ def test_the_backlog_drains_with_time():
     clock.advance(5)
     backlog.add("a", 1.0)  # starts now, not where the idle replica's backlog ended
     assert backlog.wait("a") == 1.0
+
+
+def test_estimates_within_the_margin_go_to_the_node_holding_the_prefix():
+    estimates = {"home": 0.52, "away": 0.50, "far": 0.70}
+    local = {"home": 1280, "away": 768, "far": 0}
+    in_flight = {"home": 0, "away": 0, "far": 0}
+    assert rank_replicas(["home", "away", "far"], estimates, in_flight, 1.25) == ["away", "home", "far"]
+    assert rank_replicas(["home", "away", "far"], estimates, in_flight, 1.25, local, 0.1) == ["home", "away", "far"]
+    assert rank_replicas(["home", "away", "far"], {**estimates, "home": 0.60}, in_flight, 1.25, local, 0.1)[0] == "away"

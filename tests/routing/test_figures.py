@@ -8,6 +8,7 @@ import yaml
 
 from kvstrata.routing.coverage import BUCKET, DISK, PEER
 from kvstrata.routing.figures import ClusterFigures, NodeFigures, names_model, node_figures
+from kvstrata.tiers.estimates import Cost
 from tests.utils import layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +37,11 @@ def test_a_store_report_gives_the_engines_layouts_rates_and_tier_costs():
     cluster = ClusterFigures({"n1": figures, "n2": NodeFigures("n2")})
     assert cluster.prefill_rate("n2", 1.0) == 4000.0 and cluster.prefill_rate("n3", 1.0) == 4000.0
     assert ClusterFigures().prefill_rate("n1", 1234.0) == 1234.0
+    # A node that never fetched from a peer is priced as the others measured it, not as the default.
+    defaults = {DISK: Cost(0.0, 1.0), PEER: Cost(0.0, 1.0), BUCKET: Cost(0.0, 1.0)}
+    assert cluster.costs("n2", defaults)[PEER] == figures.costs[PEER]
+    assert cluster.costs("n1", defaults)[DISK] == figures.costs[DISK]
+    assert ClusterFigures().costs("n1", defaults) == defaults
 
 
 def test_a_hugging_face_id_names_the_copy_serve_downloaded():
