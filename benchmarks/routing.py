@@ -226,7 +226,8 @@ def run_router(name: str, args: argparse.Namespace, model: Path, nodes: list[str
                     details = reply["usage"].get("prompt_tokens_details") or {}
                     requests.append({"conversation": conversation, "turn": turn_done, "ttft": reply["ttft"],
                                      "prompt_tokens": reply["usage"]["prompt_tokens"],
-                                     "cached_tokens": details.get("cached_tokens") or 0, "text": reply["text"]})  # fmt: skip
+                                     "cached_tokens": details.get("cached_tokens") or 0, "text": reply["text"],
+                                     "messages": messages})  # fmt: skip
             elapsed = time.perf_counter() - started
         after = store_counters(nodes)
         time.sleep(1.5)  # the routers' last ledger flush
@@ -238,6 +239,27 @@ def run_router(name: str, args: argparse.Namespace, model: Path, nodes: list[str
     return {"requests": requests, "served_chunks": served, "per_node_requests": per_node, "seconds": elapsed,
             "decisions": ledger.get("decisions", {}), "measured": {n: after[n]["measured"] for n in nodes},
             "ledger_recent": ledger.get("recent", [])}  # fmt: skip
+
+
+def cacheable_tokens(requests: list[dict[str, Any]], tokenizer: Any, block: int = 32) -> int:
+    """What an unbounded cache with perfect routing could serve of the trace: per request,
+    the longest prefix it shares with an earlier request's prompt and reply, in whole vLLM
+    blocks, short of the prompt's last token (vLLM computes that one itself)."""
+    seen: list[list[int]] = []
+    total = 0
+    for request in requests:
+        ids = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        best = 0
+        for earlier in seen:
+            n = 0
+            for a, b in zip(ids, earlier):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        total += min(best, len(ids) - 1) // block * block
+        seen.append(list(ids) + tokenizer.encode(request["text"], add_special_tokens=False))
+    return total
 
 
 def summary(run: dict[str, Any], trace_requests: int) -> dict[str, Any]:
@@ -299,7 +321,8 @@ def main() -> None:
         model = build_tiny_llama(workdir / "model", seed=4, hidden_size=HIDDEN, num_layers=LAYERS, num_kv_heads=KV_HEADS)
         from transformers import AutoTokenizer
 
-        unique = working_set_chunks(args, AutoTokenizer.from_pretrained(model))
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        unique = working_set_chunks(args, tokenizer)
         arena_chunks = max(4, round(unique / 1.6))
         results |= {"working_set_chunks": unique, "arena_chunks": arena_chunks}
         print(f"working set {unique} chunks of {SLOT >> 10} KiB; arena {arena_chunks} chunks per node "
@@ -316,8 +339,10 @@ def main() -> None:
                     run = run_router(name, args, model, nodes, workdir, bucket, arena_chunks, break_even)
                     results["runs"][name] = run | {"summary": summary(run, trace_requests)}
                     s = results["runs"][name]["summary"]
+                    s["cacheable_tokens"] = cacheable_tokens(run["requests"], tokenizer)
                     print(f"{name}: mean TTFT {s['mean_ttft']:.3f} s, p90 {s['p90_ttft']:.3f} s, cached "
-                          f"{s['cached_tokens']}/{s['prompt_tokens']} tokens, kvstrata {s['kvstrata_tokens']}, "
+                          f"{s['cached_tokens']}/{s['prompt_tokens']} tokens (an unbounded cache: {s['cacheable_tokens']}), "
+                          f"kvstrata {s['kvstrata_tokens']}, "
                           f"per node {list(s['requests_per_node'].values())}, decisions {run['decisions']}")  # fmt: skip
         finally:
             server.stop()

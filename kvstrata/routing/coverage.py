@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstrata.actors.directory import BUCKET_HOLDER, holder_label, split_holder
+from kvstrata.keys import key_hash
 from kvstrata.routing.keys import PromptChunks
 from kvstrata.tiers.changelog import CPU, STORAGE
 
@@ -42,6 +43,7 @@ class NodeCoverage:
     servable: int  # ... from any source
     tokens_by_source: dict[str, int] = field(default_factory=dict)  # within `servable`
     keys_by_source: dict[str, int] = field(default_factory=dict)  # chunks to move, within `servable`
+    recent: int = 0  # prompt tokens the router just sent to this node (its engine's own cache)
 
 
 @dataclass(frozen=True)
@@ -171,50 +173,59 @@ def _node_coverage(chunks: PromptChunks, arena: int, disk: int, others: int, buc
     )
 
 
-class PendingChunks:
-    """Chunks a router just sent to a node, before the directory can know of them.
+class RecentPrefixes:
+    """The prompts a router just sent to each node, block by block, for a while.
 
     Why: an engine stores a prompt's chunks only once it has computed them, and the
     directory hears of them one sync later -- a second or more after the request was
-    routed. Two requests that share a new prefix (a system prompt, a conversation's
-    turns sent close together) would otherwise both look uncovered everywhere and could
-    land on different nodes, each computing and storing the prefix. So the router notes,
-    for `ttl_seconds`, the chunks of each request it routed as being in that node's
-    arena, and reads them as such (`masks`) until the directory says where they are.
+    routed -- and only whole chunks: the tail of a prompt shorter than a chunk (a
+    conversation's latest turn, typically) lives only in that engine's own prefix cache,
+    which no directory sees. So the router notes, for `ttl_seconds`, the block hashes
+    (vLLM's, every `tokens_per_hash` tokens) of each request it routed, under the node it
+    went to, and reads them back two ways: as chunks in that node's arena (`masks`, for
+    the directory's view) and as the prefix that node's engine has just computed
+    (`prefix_blocks`, what its own cache likely still holds).
 
-    Invariants: entries expire `ttl_seconds` after they were noted (a request that failed
-    or whose chunks were never stored costs nothing after that); at most `max_keys` keys
-    are kept (the oldest go first). Not thread-safe: the router's event loop only.
+    Invariants: entries expire `ttl_seconds` after they were last noted (a request that
+    failed, or whose blocks its engine since evicted, costs nothing after that); at most
+    `max_blocks` entries are kept, the oldest going first. Not thread-safe: the router's
+    event loop only.
     """
 
-    def __init__(self, ttl_seconds: float = 10.0, clock: Callable[[], float] = time.monotonic, max_keys: int = 200_000):
+    def __init__(self, ttl_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic, max_blocks: int = 200_000):
         self._ttl = ttl_seconds
         self._clock = clock
-        self._max = max_keys
-        self._until: dict[tuple[str, bytes], float] = {}  # (node, key) -> expiry, oldest first
+        self._max = max_blocks
+        self._until: dict[tuple[str, bytes], float] = {}  # (node, block hash) -> expiry, oldest first
 
-    def add(self, node_id: str, keys: Iterable[bytes]) -> None:
+    def add(self, node_id: str, block_hashes: Iterable[bytes]) -> None:
         until = self._clock() + self._ttl
-        for key in keys:
-            self._until.pop((node_id, key), None)  # re-inserted: now the newest
-            self._until[(node_id, key)] = until
+        for block in block_hashes:
+            self._until.pop((node_id, block), None)  # re-inserted: now the newest
+            self._until[(node_id, block)] = until
         self._expire()
 
     def masks(self, keys: Sequence[bytes]) -> dict[str, int]:
-        """Holder (`<node>/CPU`) -> mask over `keys` of the chunks noted there and not expired."""
+        """Holder (`<node>/CPU`) -> mask over `keys` of the chunks whose block was noted there."""
         self._expire()
-        if not self._until:
-            return {}
-        nodes = {node for node, _ in self._until}
         out: dict[str, int] = {}
-        for node in nodes:
+        for node in {node for node, _ in self._until}:
             mask = 0
             for bit, key in enumerate(keys):
-                if (node, key) in self._until:
+                if (node, key_hash(key)) in self._until:
                     mask |= 1 << bit
             if mask:
                 out[holder_label(node, CPU)] = mask
         return out
+
+    def prefix_blocks(self, node_id: str, block_hashes: Sequence[bytes]) -> int:
+        """How many of the prompt's first blocks were noted on `node_id`, in a row."""
+        count = 0
+        for block in block_hashes:
+            if (node_id, block) not in self._until:
+                break
+            count += 1
+        return count
 
     def _expire(self) -> None:
         now = self._clock()

@@ -93,11 +93,14 @@ def estimate_ttft(
     """The estimate for one replica whose node sees the prompt as `coverage`, with
     `backlog_seconds` of work and `in_flight` requests already sent there."""
     rate = rates.prefill_tokens_per_second
-    recompute_tokens = prompt_tokens - coverage.servable
+    # What the router just sent there is in the engine's own cache (or its arena): free.
+    recompute_tokens = prompt_tokens - max(coverage.servable, coverage.recent)
     load_by_source: dict[str, float] = {}
     load = 0.0
     for source, keys in coverage.keys_by_source.items():
         tokens = coverage.tokens_by_source.get(source, 0)
+        if coverage.recent >= coverage.servable:
+            break  # all of it is in the engine's own cache already
         cost = rates.costs.get(source) or DEFAULT_COSTS[source]
         seconds = cost.load_seconds(keys * slot_bytes)
         if source != ARENA and tokens and seconds > tokens / rate:  # break_even: recomputed instead

@@ -14,10 +14,10 @@ counts (`no_prompt_tokens`, `no_layout`, `keys_unreproducible`, `directory_unava
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvstrata.routing.coverage import ClusterCoverage, NodeCoverage, PendingChunks, cluster_coverage
+from kvstrata.routing.coverage import ClusterCoverage, NodeCoverage, RecentPrefixes, cluster_coverage
 from kvstrata.routing.figures import ClusterFigures
 from kvstrata.routing.keys import Hasher, KeyScheme, PromptChunks, block_hashes, prompt_chunks
 from kvstrata.routing.lookup import DirectoryUnavailable, directory_coverage
@@ -37,6 +37,10 @@ class PromptPlan:
     prompt_tokens: int
     chunks: dict[str, PromptChunks]  # namespace -> the prompt's keys there
     nodes: dict[str, list[str]]  # namespace -> candidate nodes whose engines use it
+    hashes: dict[tuple[int, str], list[bytes]] = field(default_factory=dict)  # by hashing scheme: block hashes
+
+    def blocks(self, namespace: str) -> list[bytes]:
+        return self.hashes.get(self.chunks[namespace].scheme.hashing, [])
 
 
 def plan_prompt(
@@ -72,38 +76,46 @@ def plan_prompt(
             except ValueError:
                 raise NoCoverage("keys_unreproducible") from None
         chunks[namespace] = prompt_chunks(scheme, hashes[scheme.hashing], len(token_ids))
-    return PromptPlan(len(token_ids), chunks, nodes)
+    return PromptPlan(len(token_ids), chunks, nodes, hashes)
 
 
 async def cluster_coverages(
-    plan: PromptPlan, figures: ClusterFigures, timeout_s: float, pending: PendingChunks | None = None
+    plan: PromptPlan, figures: ClusterFigures, timeout_s: float, recent: RecentPrefixes | None = None
 ) -> dict[str, ClusterCoverage]:
     """Namespace -> every candidate node's coverage and the bucket's: one batched directory
-    call; with `pending`, the chunks this router just sent somewhere count as there."""
+    call; with `recent`, the chunks this router just sent somewhere count as there, and
+    each node's `recent` says how much of the prompt it just computed."""
     try:
         masks = await directory_coverage(
             figures.shards, {namespace: chunks.keys for namespace, chunks in plan.chunks.items()}, timeout_s
         )
     except DirectoryUnavailable:
         raise NoCoverage("directory_unavailable") from None
-    if pending is not None:
+    if recent is not None:
         for namespace, chunks in plan.chunks.items():
-            for holder, mask in pending.masks(chunks.keys).items():
+            for holder, mask in recent.masks(chunks.keys).items():
                 masks[namespace][holder] = masks[namespace].get(holder, 0) | mask
-    return {
-        namespace: cluster_coverage(chunks, masks[namespace], plan.nodes[namespace])
-        for namespace, chunks in plan.chunks.items()
-    }
+    coverages = {}
+    for namespace, chunks in plan.chunks.items():
+        coverage = cluster_coverage(chunks, masks[namespace], plan.nodes[namespace])
+        if recent is not None:
+            blocks = plan.blocks(namespace)
+            limit = max(0, plan.prompt_tokens - 1)
+            for node_id in plan.nodes[namespace]:
+                tokens = min(limit, recent.prefix_blocks(node_id, blocks) * chunks.scheme.tokens_per_hash)
+                coverage.nodes[node_id] = replace(coverage.of(node_id), recent=tokens)
+        coverages[namespace] = coverage
+    return coverages
 
 
 async def covered_by_node(
-    plan: PromptPlan, figures: ClusterFigures, timeout_s: float, pending: PendingChunks | None = None
+    plan: PromptPlan, figures: ClusterFigures, timeout_s: float, recent: RecentPrefixes | None = None
 ) -> dict[str, tuple[NodeCoverage, int]]:
     """Node -> (its best coverage over its namespaces, that namespace's chunk bytes)."""
     best: dict[str, tuple[NodeCoverage, int]] = {}
-    for namespace, coverage in (await cluster_coverages(plan, figures, timeout_s, pending)).items():
+    for namespace, coverage in (await cluster_coverages(plan, figures, timeout_s, recent)).items():
         for node_id in plan.nodes[namespace]:
             mine = coverage.of(node_id)
-            if node_id not in best or mine.servable > best[node_id][0].servable:
+            if node_id not in best or max(mine.servable, mine.recent) > max(best[node_id][0].servable, best[node_id][0].recent):
                 best[node_id] = (mine, plan.chunks[namespace].scheme.slot_bytes)
     return best

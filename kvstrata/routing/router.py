@@ -42,7 +42,7 @@ from typing import Any
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvstrata.routing.coverage import ARENA, DISK, NodeCoverage, PendingChunks
+from kvstrata.routing.coverage import ARENA, DISK, NodeCoverage, RecentPrefixes
 from kvstrata.routing.estimate import (
     DEFAULT_COSTS,
     DEFAULT_PREFILL_TOKENS_PER_SECOND,
@@ -71,7 +71,7 @@ class Decision:
     prompt_tokens: int
     lookup_seconds: float
     request_id: str = ""  # Serve's (an HTTP request's `x-request-id`)
-    keys: tuple[bytes, ...] = ()  # the prompt's chunks, in every namespace looked up
+    blocks: tuple[bytes, ...] = ()  # the prompt's block hashes, in every hashing looked up
 
 
 class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -92,7 +92,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         lora_paths: Mapping[str, str] | None = None,
         ledger: bool = True,
         ledger_flush_seconds: float = 1.0,
-        pending_seconds: float = 10.0,
+        recent_seconds: float = 60.0,
         seed: int | None = None,
     ) -> None:
         """Kwargs of `request_router_kwargs`:
@@ -108,8 +108,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             engine has measured its own. hash_seed: the engines' PYTHONHASHSEED where
             they set one. lora_paths: adapter name -> the path engines load it from
             (part of vLLM's block hash). ledger: send decisions to the deployment's
-            ledger. pending_seconds: how long a routed request's chunks count as in its
-            node's arena before the directory knows of them. seed: of the tie-breaking
+            ledger. recent_seconds: how long a routed request's prompt counts as computed
+            on its node (in its arena, and its tail in the engine's own cache). seed: of the tie-breaking
             shuffle (tests).
         """
         if load_factor < 1.0:
@@ -128,7 +128,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._figures: ClusterFigures | None = None
         self._refresher: asyncio.Task | None = None
         self._backlog = Backlog()
-        self._pending = PendingChunks(pending_seconds)
+        self._recent = RecentPrefixes(recent_seconds)
         self._in_flight: dict[ReplicaID, int] = {}
         self._decisions: dict[str, tuple[Decision, ReplicaID]] = {}
         self.counters: dict[str, int] = {}
@@ -233,7 +233,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             lora,
             getattr(body, "cache_salt", None),
         )
-        coverage = await covered_by_node(plan, figures, self._lookup_timeout_s, self._pending)
+        coverage = await covered_by_node(plan, figures, self._lookup_timeout_s, self._recent)
         estimates: dict[ReplicaID, TtftEstimate] = {}
         per_replica: dict[ReplicaID, NodeCoverage] = {}
         for replica in candidates:
@@ -252,7 +252,10 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             )
         order = [r.replica_id for r in candidates]
         self._random.shuffle(order)  # ties go anywhere, not always to the first replica listed
-        local = {rid: c.tokens_by_source.get(ARENA, 0) + c.tokens_by_source.get(DISK, 0) for rid, c in per_replica.items()}
+        local = {
+            rid: max(c.recent, c.tokens_by_source.get(ARENA, 0) + c.tokens_by_source.get(DISK, 0))
+            for rid, c in per_replica.items()
+        }
         ranking = rank_replicas(
             order,
             {rid: e.seconds for rid, e in estimates.items()},
@@ -261,8 +264,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             local,
             self._margin,
         )
-        keys = tuple(key for chunks in plan.chunks.values() for key in chunks.keys)
-        return Decision(ranking, "estimate", estimates, per_replica, plan.prompt_tokens, 0.0, keys=keys)
+        blocks = tuple(block for hashes in plan.hashes.values() for block in hashes)
+        return Decision(ranking, "estimate", estimates, per_replica, plan.prompt_tokens, 0.0, blocks=blocks)
 
     def _commit(self, request_id: str, decision: Decision) -> None:
         chosen = decision.ranking[0]
@@ -270,8 +273,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._in_flight[chosen] = self._in_flight.get(chosen, 0) + 1
         self._backlog.add(chosen, estimate.recompute_seconds + estimate.load_seconds)
         replica = self._replicas.get(chosen)
-        if replica is not None:  # its engine will hold these chunks: the next request sharing them knows now
-            self._pending.add(replica.node_id, decision.keys)
+        if replica is not None:  # its engine computes these: the next request sharing them knows now
+            self._recent.add(replica.node_id, decision.blocks)
         self._decisions[request_id] = (decision, chosen)
         self._count("estimate")
         self._metrics.covered(decision.coverage[chosen].servable)

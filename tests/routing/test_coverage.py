@@ -73,19 +73,23 @@ def test_the_directory_answers_with_one_mask_per_holder_and_shards_merge_back_in
     assert shards[0].coverage("other-namespace", keys) == {}
 
 
-def test_chunks_just_routed_count_as_in_that_node_s_arena_until_they_expire():
-    from kvstrata.routing.coverage import PendingChunks
+def test_what_was_just_routed_counts_as_on_that_node_until_it_expires():
+    from kvstrata.keys import key_hash
+    from kvstrata.routing.coverage import RecentPrefixes
     from tests.utils import FakeClock
 
     clock = FakeClock()
-    pending = PendingChunks(ttl_seconds=10, clock=clock, max_keys=4)
+    recent = RecentPrefixes(ttl_seconds=10, clock=clock, max_blocks=30)
     prompt = chunks()
-    pending.add("a", prompt.keys[:3])
-    assert pending.masks(prompt.keys) == {holder_label("a", "CPU"): mask(0, 1, 2)}
-    seen = cluster_coverage(prompt, pending.masks(prompt.keys), ["a", "b"])
+    blocks = [key(i)[:-4] for i in range(1001 // 32)]  # the prompt's block hashes (chunks() names them so)
+    recent.add("a", blocks[:13])  # 13 blocks: 3 whole chunks and one block more
+    assert key_hash(prompt.keys[2]) == blocks[11]
+    assert recent.masks(prompt.keys) == {holder_label("a", "CPU"): mask(0, 1, 2)}
+    assert recent.prefix_blocks("a", blocks) == 13 and recent.prefix_blocks("b", blocks) == 0
+    seen = cluster_coverage(prompt, recent.masks(prompt.keys), ["a", "b"])
     assert seen.of("a").arena == 3 * CHUNK and seen.of("b").peer == 3 * CHUNK
     clock.advance(5)
-    pending.add("b", prompt.keys[3:5])  # over max_keys: the oldest entry goes
-    assert pending.masks(prompt.keys) == {holder_label("a", "CPU"): mask(1, 2), holder_label("b", "CPU"): mask(3, 4)}
+    recent.add("b", blocks[13:31])  # over max_blocks: a's oldest go first
+    assert recent.prefix_blocks("a", blocks) == 0 and recent.masks(prompt.keys)[holder_label("a", "CPU")] == mask(0, 1, 2)
     clock.advance(6)  # a's entries are 11 s old
-    assert pending.masks(prompt.keys) == {holder_label("b", "CPU"): mask(3, 4)}
+    assert set(recent.masks(prompt.keys)) == {holder_label("b", "CPU")}

@@ -61,7 +61,7 @@ def figures(shard: DirectoryShard | None) -> ClusterFigures:
 
 def router(shard: DirectoryShard | None, **kwargs) -> TierAwareRouter:
     made = TierAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
-    made.initialize_state(model="m", refresh_seconds=0, ledger=False, seed=0, **kwargs)
+    made.initialize_state(model="m", refresh_seconds=0, ledger=False, **{"seed": 0, **kwargs})
     made.update_replicas([Replica("r-a", "node-a"), Replica("r-b", "node-b")])
     made.set_figures(figures(shard))
     return made
@@ -121,6 +121,26 @@ def test_requests_sharing_a_new_prefix_follow_the_first_before_the_directory_kno
         assert follow[1] != first  # three in flight: the load bound spills the third
         decision, _ = made._decisions["i2"]
         assert decision.coverage[decision.ranking[0]].arena == 9 * 128
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_next_turn_follows_its_conversation_past_what_the_directory_sees(seed):
+    """Both nodes hold the shared system prompt; the first turn's tail (no whole chunk of
+    its own) is only in the engine that computed it: the second turn goes there too."""
+
+    async def run():
+        shard = DirectoryShard(0)
+        shared = chunks_of_prompt(SCHEME, PROMPT[:400]).keys  # 3 chunks
+        for node in ("node-a", "node-b"):
+            shard.sync(node, {"ns": ([(k, "CPU", True) for k in shared], -1, False)})
+        made = router(shard, seed=seed)
+        first = (await choose(made, request(1, tokens=PROMPT[:500])))[0]
+        made.on_request_completed(made._decisions["i1"][1], "i1")
+        assert (await choose(made, request(2, tokens=PROMPT[:700])))[0] == first
+        decision, chosen = made._decisions["i2"]
+        assert decision.coverage[chosen].recent == 480 and decision.estimates[chosen].recompute_tokens == 700 - 480
 
     asyncio.run(run())
 
