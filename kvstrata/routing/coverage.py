@@ -180,57 +180,69 @@ class RecentPrefixes:
     directory hears of them one sync later -- a second or more after the request was
     routed -- and only whole chunks: the tail of a prompt shorter than a chunk (a
     conversation's latest turn, typically) lives only in that engine's own prefix cache,
-    which no directory sees. So the router notes, for `ttl_seconds`, the block hashes
-    (vLLM's, every `tokens_per_hash` tokens) of each request it routed, under the node it
-    went to, and reads them back two ways: as chunks in that node's arena (`masks`, for
-    the directory's view) and as the prefix that node's engine has just computed
-    (`prefix_blocks`, what its own cache likely still holds).
+    which no directory sees. So the router notes the block hashes (vLLM's, every
+    `tokens_per_hash` tokens) of each request it routed, under the node it went to, and
+    reads them back two ways:
+    - `masks`: for `pending_seconds`, the prompt's chunks count as in that node's arena
+      (long enough for the engine to compute and store them and the directory to hear of
+      it; after that the directory's word stands, evictions included);
+    - `prefix_blocks`: for `recent_seconds`, how much of a prompt that node's engine just
+      computed (the caller believes it only as far as the directory still shows the
+      prefix's whole chunks there: a tail whose prefix was evicted is gone with it).
 
-    Invariants: entries expire `ttl_seconds` after they were last noted (a request that
-    failed, or whose blocks its engine since evicted, costs nothing after that); at most
+    Invariants: an entry is forgotten `recent_seconds` after it was last noted; at most
     `max_blocks` entries are kept, the oldest going first. Not thread-safe: the router's
     event loop only.
     """
 
-    def __init__(self, ttl_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic, max_blocks: int = 200_000):
-        self._ttl = ttl_seconds
+    def __init__(
+        self,
+        pending_seconds: float = 5.0,
+        recent_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_blocks: int = 200_000,
+    ):
+        self._pending = pending_seconds
+        self._recent = max(recent_seconds, pending_seconds)
         self._clock = clock
         self._max = max_blocks
-        self._until: dict[tuple[str, bytes], float] = {}  # (node, block hash) -> expiry, oldest first
+        self._noted: dict[tuple[str, bytes], float] = {}  # (node, block hash) -> when noted, oldest first
 
     def add(self, node_id: str, block_hashes: Iterable[bytes]) -> None:
-        until = self._clock() + self._ttl
+        now = self._clock()
         for block in block_hashes:
-            self._until.pop((node_id, block), None)  # re-inserted: now the newest
-            self._until[(node_id, block)] = until
-        self._expire()
+            self._noted.pop((node_id, block), None)  # re-inserted: now the newest
+            self._noted[(node_id, block)] = now
+        self._expire(now)
 
     def masks(self, keys: Sequence[bytes]) -> dict[str, int]:
-        """Holder (`<node>/CPU`) -> mask over `keys` of the chunks whose block was noted there."""
-        self._expire()
+        """Holder (`<node>/CPU`) -> mask over `keys` of the chunks noted there within `pending_seconds`."""
+        since = self._clock() - self._pending
         out: dict[str, int] = {}
-        for node in {node for node, _ in self._until}:
+        for node in {node for (node, _), noted in self._noted.items() if noted >= since}:
             mask = 0
             for bit, key in enumerate(keys):
-                if (node, key_hash(key)) in self._until:
+                noted = self._noted.get((node, key_hash(key)))
+                if noted is not None and noted >= since:
                     mask |= 1 << bit
             if mask:
                 out[holder_label(node, CPU)] = mask
         return out
 
     def prefix_blocks(self, node_id: str, block_hashes: Sequence[bytes]) -> int:
-        """How many of the prompt's first blocks were noted on `node_id`, in a row."""
+        """How many of the prompt's first blocks were noted on `node_id` within `recent_seconds`, in a row."""
+        since = self._clock() - self._recent
         count = 0
         for block in block_hashes:
-            if (node_id, block) not in self._until:
+            noted = self._noted.get((node_id, block))
+            if noted is None or noted < since:
                 break
             count += 1
         return count
 
-    def _expire(self) -> None:
-        now = self._clock()
-        while self._until:
-            oldest = next(iter(self._until))
-            if self._until[oldest] > now and len(self._until) <= self._max:
+    def _expire(self, now: float) -> None:
+        while self._noted:
+            oldest = next(iter(self._noted))
+            if self._noted[oldest] >= now - self._recent and len(self._noted) <= self._max:
                 break
-            del self._until[oldest]
+            del self._noted[oldest]

@@ -21,15 +21,18 @@ than recomputing its own tokens is priced as recomputing them: an engine with
 `admission.load: break_even` (the default) would recompute them.
 
 Load bound ("consistent hashing with bounded loads", Mirrokni et al. 2018): a replica
-may take a request only while its requests in flight stay within
-`ceil(load_factor * (all in flight + 1) / replicas)`, so a hot prefix spills to the next
-cheapest replica instead of piling onto one. Among the replicas within the bound the
+may take a request only while its load stays within
+`ceil(load_factor * (all load + 1) / replicas)`, so a hot prefix spills to the next
+cheapest replica instead of piling onto one. The load is the requests routed to it,
+each weighing less as it ages (`RoutedLoad`, half-life a minute): requests in flight
+alone bound nothing where few are in flight (with two replicas and two requests in
+flight the bound is 2, so both may pile onto one, request after request). Among the replicas within the bound the
 smallest estimate wins, where estimates within a margin of it count as equal and the one
 holding more of the prefix on its own node goes first; the others follow in order
 (Serve tries the next when one is full).
 
-Invariants: pure, except `Backlog`, whose only state is per-replica finish times read
-through an injected clock. Ties keep the caller's order (callers shuffle first).
+Invariants: pure, except `Backlog` and `RoutedLoad`, whose only state is per-replica
+figures read through an injected clock. Ties keep the caller's order (callers shuffle first).
 """
 
 from __future__ import annotations
@@ -121,22 +124,22 @@ def estimate_ttft(
     )
 
 
-def load_bound(in_flight: Mapping[Hashable, int], load_factor: float) -> int:
-    """Requests in flight a replica may have after taking one more."""
-    total = sum(in_flight.values())
-    return max(1, math.ceil(load_factor * (total + 1) / max(1, len(in_flight))))
+def load_bound(loads: Mapping[Hashable, float], load_factor: float) -> int:
+    """The load a replica may have after taking one more request."""
+    total = sum(loads.values())
+    return max(1, math.ceil(load_factor * (total + 1) / max(1, len(loads))))
 
 
 def rank_replicas(
     replicas: Sequence[Hashable],
     estimates: Mapping[Hashable, float],
-    in_flight: Mapping[Hashable, int],
+    loads: Mapping[Hashable, float],
     load_factor: float,
     local_tokens: Mapping[Hashable, int] | None = None,
     margin: float = 0.0,
 ) -> list[Hashable]:
     """Replicas in the order to try them: within the load bound by estimate, then the rest
-    by load and estimate. `in_flight` has an entry for every replica.
+    by load and estimate. `loads`: each replica's (missing: 0).
 
     Within the bound, estimates less than `margin` (a fraction) above the best count as
     equal, and among those the replica whose node holds more of the prefix itself
@@ -144,11 +147,12 @@ def rank_replicas(
     such a difference, and moving a request off the node that holds its prefix makes a
     second copy of it in another arena, which costs later requests.
     """
-    bound = load_bound({r: in_flight.get(r, 0) for r in replicas}, load_factor)
-    within = [r for r in replicas if in_flight.get(r, 0) + 1 <= bound]
-    beyond = [r for r in replicas if in_flight.get(r, 0) + 1 > bound]
+    bound = load_bound({r: loads.get(r, 0) for r in replicas}, load_factor)
+    # Whole requests against the bound (the nearest): a load decayed below half a request is none.
+    within = [r for r in replicas if math.floor(loads.get(r, 0) + 0.5) + 1 <= bound]
+    beyond = [r for r in replicas if math.floor(loads.get(r, 0) + 0.5) + 1 > bound]
     within.sort(key=lambda r: estimates[r])
-    beyond.sort(key=lambda r: (in_flight.get(r, 0), estimates[r]))
+    beyond.sort(key=lambda r: (loads.get(r, 0), estimates[r]))
     if within and local_tokens and margin > 0:
         limit = estimates[within[0]] * (1.0 + margin)
         near = [r for r in within if estimates[r] <= limit]
@@ -177,3 +181,29 @@ class Backlog:
     def forget(self, keep: set[Hashable]) -> None:
         for replica in [r for r in self._finish if r not in keep]:
             del self._finish[replica]
+
+
+class RoutedLoad:
+    """Per replica, the requests routed to it, each weighing `0.5 ** (age / half_life)`:
+    what the load bound counts. Not thread-safe: the router's event loop only."""
+
+    def __init__(self, half_life_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self._rate = math.log(2) / half_life_seconds
+        self._clock = clock
+        self._load: dict[Hashable, tuple[float, float]] = {}  # replica -> (load, as of when)
+
+    def add(self, replica: Hashable) -> None:
+        now = self._clock()
+        self._load[replica] = (self._at(replica, now) + 1.0, now)
+
+    def loads(self, replicas: Sequence[Hashable]) -> dict[Hashable, float]:
+        now = self._clock()
+        return {replica: self._at(replica, now) for replica in replicas}
+
+    def forget(self, keep: set[Hashable]) -> None:
+        for replica in [r for r in self._load if r not in keep]:
+            del self._load[replica]
+
+    def _at(self, replica: Hashable, now: float) -> float:
+        load, when = self._load.get(replica, (0.0, now))
+        return load * math.exp(-self._rate * (now - when))

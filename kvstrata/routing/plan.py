@@ -101,9 +101,13 @@ async def cluster_coverages(
         if recent is not None:
             blocks = plan.blocks(namespace)
             limit = max(0, plan.prompt_tokens - 1)
+            chunk = max(chunks.scheme.chunk_tokens)
             for node_id in plan.nodes[namespace]:
+                mine = coverage.of(node_id)
                 tokens = min(limit, recent.prefix_blocks(node_id, blocks) * chunks.scheme.tokens_per_hash)
-                coverage.nodes[node_id] = replace(coverage.of(node_id), recent=tokens)
+                if tokens >= mine.servable + chunk:  # whole chunks of it are gone from there: so is its tail
+                    tokens = 0
+                coverage.nodes[node_id] = replace(mine, recent=tokens)
         coverages[namespace] = coverage
     return coverages
 

@@ -10,9 +10,11 @@ Select it in a Serve LLM config:
 For each request it (1) takes the prompt's token ids (`prompt`), (2) names its chunks as
 the engines do (`keys`), (3) asks the cluster directory, in one batched call, which node
 holds which chunk in its arena or on its disk, and which the bucket holds (`lookup`,
-`coverage`), (4) estimates every candidate replica's time to first token from its node's
+`coverage`), adding what it just routed where itself (`RecentPrefixes`: the directory
+hears of chunks only after engines stored them), (4) estimates every candidate replica's time to first token from its node's
 measured prefill rate and tier costs plus the work already queued there (`estimate`),
-and (5) offers Serve the replicas in that order, those within the load bound first.
+and (5) offers Serve the replicas in that order, those within the load bound first
+(near-equal estimates ordered by how much of the prefix the node holds itself).
 Steps 1-3 run under `decision_timeout_s`; anything that fails or is late (no tokenizer,
 no directory, no figures yet, a slow shard) routes the request as Serve's
 `PowerOfTwoChoicesRequestRouter` does, and counts why. A request is never failed or held
@@ -48,6 +50,7 @@ from kvstrata.routing.estimate import (
     DEFAULT_PREFILL_TOKENS_PER_SECOND,
     Backlog,
     ReplicaRates,
+    RoutedLoad,
     TtftEstimate,
     estimate_ttft,
     rank_replicas,
@@ -92,7 +95,9 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         lora_paths: Mapping[str, str] | None = None,
         ledger: bool = True,
         ledger_flush_seconds: float = 1.0,
+        pending_seconds: float = 5.0,
         recent_seconds: float = 60.0,
+        load_half_life_s: float = 60.0,
         seed: int | None = None,
     ) -> None:
         """Kwargs of `request_router_kwargs`:
@@ -108,8 +113,11 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             engine has measured its own. hash_seed: the engines' PYTHONHASHSEED where
             they set one. lora_paths: adapter name -> the path engines load it from
             (part of vLLM's block hash). ledger: send decisions to the deployment's
-            ledger. recent_seconds: how long a routed request's prompt counts as computed
-            on its node (in its arena, and its tail in the engine's own cache). seed: of the tie-breaking
+            ledger. pending_seconds: how long a routed request's chunks count as in its
+            node's arena before the directory says where they are. recent_seconds: how
+            long its prompt counts as computed on its node (the tail in the engine's own
+            cache). load_half_life_s: the load bound weighs requests routed this long
+            ago half. seed: of the tie-breaking
             shuffle (tests).
         """
         if load_factor < 1.0:
@@ -128,7 +136,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._figures: ClusterFigures | None = None
         self._refresher: asyncio.Task | None = None
         self._backlog = Backlog()
-        self._recent = RecentPrefixes(recent_seconds)
+        self._recent = RecentPrefixes(pending_seconds, recent_seconds)
+        self._routed = RoutedLoad(load_half_life_s)
         self._in_flight: dict[ReplicaID, int] = {}
         self._decisions: dict[str, tuple[Decision, ReplicaID]] = {}
         self.counters: dict[str, int] = {}
@@ -201,6 +210,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
         self._backlog.forget(live)
+        self._routed.forget(live)
         for replica_id in [r for r in self._in_flight if r not in live]:
             del self._in_flight[replica_id]
 
@@ -259,7 +269,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         ranking = rank_replicas(
             order,
             {rid: e.seconds for rid, e in estimates.items()},
-            self._in_flight_of(order),
+            self._routed.loads(order),
             self._load_factor,
             local,
             self._margin,
@@ -271,6 +281,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         chosen = decision.ranking[0]
         estimate = decision.estimates[chosen]
         self._in_flight[chosen] = self._in_flight.get(chosen, 0) + 1
+        self._routed.add(chosen)
         self._backlog.add(chosen, estimate.recompute_seconds + estimate.load_seconds)
         replica = self._replicas.get(chosen)
         if replica is not None:  # its engine computes these: the next request sharing them knows now
@@ -292,9 +303,6 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 (replica.node_id if replica is not None else "?")[:12], estimate.parts(), others or "none",
                 decision.lookup_seconds * 1000,
             )  # fmt: skip
-
-    def _in_flight_of(self, replicas: Sequence[ReplicaID]) -> dict[ReplicaID, int]:
-        return {rid: self._in_flight.get(rid, 0) for rid in replicas}
 
     def _lora(self, pending_request: PendingRequest) -> tuple[str, str] | None:
         name = pending_request.metadata.multiplexed_model_id
@@ -318,6 +326,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if pending_request is not None and chosen and chosen[0]:
             first = chosen[0][0].replica_id
             self._in_flight[first] = self._in_flight.get(first, 0) + 1
+            self._routed.add(first)
             decision = Decision([r.replica_id for r in chosen[0]], kind, {}, {}, 0, 0.0, pending_request.metadata.request_id)
             self._decisions[pending_request.metadata.internal_request_id] = (decision, first)
         return chosen

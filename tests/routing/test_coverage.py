@@ -79,7 +79,7 @@ def test_what_was_just_routed_counts_as_on_that_node_until_it_expires():
     from tests.utils import FakeClock
 
     clock = FakeClock()
-    recent = RecentPrefixes(ttl_seconds=10, clock=clock, max_blocks=30)
+    recent = RecentPrefixes(pending_seconds=10, recent_seconds=10, clock=clock, max_blocks=30)
     prompt = chunks()
     blocks = [key(i)[:-4] for i in range(1001 // 32)]  # the prompt's block hashes (chunks() names them so)
     recent.add("a", blocks[:13])  # 13 blocks: 3 whole chunks and one block more
@@ -93,3 +93,18 @@ def test_what_was_just_routed_counts_as_on_that_node_until_it_expires():
     assert recent.prefix_blocks("a", blocks) == 0 and recent.masks(prompt.keys)[holder_label("a", "CPU")] == mask(0, 1, 2)
     clock.advance(6)  # a's entries are 11 s old
     assert set(recent.masks(prompt.keys)) == {holder_label("b", "CPU")}
+
+
+def test_a_routed_prompt_counts_as_stored_briefly_and_as_computed_longer():
+    from kvstrata.routing.coverage import RecentPrefixes
+    from tests.utils import FakeClock
+
+    clock = FakeClock()
+    recent = RecentPrefixes(pending_seconds=5, recent_seconds=60, clock=clock)
+    prompt = chunks()
+    blocks = [key(i)[:-4] for i in range(1001 // 32)]
+    recent.add("a", blocks)
+    clock.advance(6)  # the directory has had time to hear of the chunks: its word stands now
+    assert recent.masks(prompt.keys) == {} and recent.prefix_blocks("a", blocks) == len(blocks)
+    clock.advance(55)
+    assert recent.prefix_blocks("a", blocks) == 0

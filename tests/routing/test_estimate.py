@@ -73,6 +73,19 @@ def test_under_the_bound_no_replica_ever_holds_more_than_its_share():
     assert max(in_flight.values()) <= 1.25 * 20 + 1
 
 
+def test_the_load_bound_counts_requests_routed_lately_not_only_those_in_flight():
+    from kvstrata.routing.estimate import RoutedLoad
+
+    clock = FakeClock()
+    routed = RoutedLoad(half_life_seconds=60, clock=clock)
+    for _ in range(6):  # one at a time: never more than one in flight, all to "a"
+        routed.add("a")
+    assert rank_replicas(["a", "b"], {"a": 0.1, "b": 1.0}, routed.loads(["a", "b"]), 1.25) == ["b", "a"]
+    clock.advance(600)  # ten half-lives: what "a" took then hardly counts
+    assert routed.loads(["a", "b"])["a"] == pytest.approx(6 / 1024)
+    assert rank_replicas(["a", "b"], {"a": 0.1, "b": 1.0}, routed.loads(["a", "b"]), 1.25) == ["a", "b"]
+
+
 def test_the_backlog_drains_with_time():
     clock = FakeClock()
     backlog = Backlog(clock)

@@ -99,14 +99,14 @@ def test_a_request_goes_first_to_the_node_holding_its_prefix():
     asyncio.run(run())
 
 
-def test_a_hot_prefix_spills_over_the_load_bound_and_comes_back_as_requests_complete():
+def test_a_hot_prefix_spills_over_the_load_bound_and_returns_within_it():
     async def run():
         made = router(holding("node-a", 9))
         first = [(await choose(made, request(n)))[0] for n in range(3)]  # none completes meanwhile
-        assert first == ["node-a", "node-a", "node-b"]  # the third would make a hold 3 > ceil(1.25 * 3 / 2)
+        assert first == ["node-a", "node-a", "node-b"]  # a third on a: 3 > ceil(1.25 * (2 + 1) / 2)
         made.on_request_completed(ReplicaID("r-a", DEPLOYMENT), "i0")
         made.on_request_completed(ReplicaID("r-a", DEPLOYMENT), "i1")
-        assert (await choose(made, request(3)))[0] == "node-a"
+        assert (await choose(made, request(3)))[0] == "node-a"  # 3 <= ceil(1.25 * (3 + 1) / 2)
         assert made._in_flight == {ReplicaID("r-a", DEPLOYMENT): 1, ReplicaID("r-b", DEPLOYMENT): 1}
 
     asyncio.run(run())
