@@ -301,6 +301,38 @@ class AdmissionConfig(_Strict):
     store: StoreAdmissionConfig = StoreAdmissionConfig()
 
 
+class PrefetchConfig(_Strict):
+    """Chunks brought into the arena before a request asks (route-time prefetch, `kvstrata warm`,
+    `kv.prefetch` hints), retention (`kv.retain`) and hint pins (docs/prefetch.md)."""
+
+    lease_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=86400,
+        description="how long a prefetched chunk is held in the arena, after the moment it is expected, "
+        "for its first use; then it is left to normal eviction",
+    )
+    max_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="share of a namespace's arena slots that prefetched chunks waiting for their first use "
+        "may hold at once; beyond it a prefetch is refused (counted)",
+    )
+    pin_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="share of a tenant's arena (its `quotas` cpu bytes, else the arena) that `pin` hints may hold",
+    )
+    max_retain_seconds: float = Field(
+        default=7 * 86400, gt=0, description="longest TTL a `kv.retain` hint gets; longer ones are cut to it (counted)"
+    )
+    max_retained_chunks: int = Field(
+        default=1_000_000, ge=0, description="chunks retained at once per node; retentions beyond are refused (counted)"
+    )
+
+
 class RayConfig(_Strict):
     address: str = Field(
         default="auto", description="Ray cluster to join when the process has not joined one"
@@ -367,6 +399,7 @@ class KvstrataConfig(_Strict):
     tiers: TiersConfig = TiersConfig()
     engine: EngineConfig = EngineConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    prefetch: PrefetchConfig = PrefetchConfig()
     ray: RayConfig = RayConfig()
     cluster: ClusterConfig | None = Field(
         default=None, description="multi-node: directory and peer fetch (off: each node's store stands alone)"

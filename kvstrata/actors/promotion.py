@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from functools import partial
 
 from kvstrata.actors.disk_jobs import submit_disk_jobs
+from kvstrata.actors.hints import Hints
 from kvstrata.actors.purge import Purge
 from kvstrata.actors.registration_check import shared_across_nodes
 from kvstrata.actors.store_state import logger
@@ -34,11 +35,13 @@ from kvstrata.tiers.changelog import OBJECT, PEER
 PROMOTE = "kvstrata:promote"
 
 
-class Promotion(Purge):
-    """Mixin of `NodeStore`: disk, peer and object reads into reserved arena slots."""
+class Promotion(Hints, Purge):
+    """Mixin of `NodeStore`: disk, peer and object reads into reserved arena slots (and,
+    over them, prefetch and KV hints: prefetch.py, hints.py)."""
 
     def _init_promotion(self) -> None:
         self._promoting: set[tuple[str, bytes]] = set()
+        self._init_hints()
 
     def _promote(self, namespace: str, pool: SlotPool, keys: list[bytes]) -> dict[bytes, bool]:
         """Start (or join) bringing chunks into the arena: from this node's disk, else
@@ -172,6 +175,7 @@ class Promotion(Purge):
             _, refused = pool.commit_many(PROMOTE, promoted)
             if refused:  # a bug, not an I/O outcome: the slots stay reserved, and we say so
                 logger.error("kvstrata node store: %d promotions not committed: %s", len(refused), refused[0])
+            self._prefetch_landed(namespace, pool, items, ok)  # prefetch.py: held before PROMOTE lets go
             pool.unpin(PROMOTE, [slot for slot, _ in promoted])
             pool.release(PROMOTE, [slot for (_, slot), arrived in zip(items, ok) if not arrived])
             self.counters["promotions"] += len(promoted)

@@ -59,6 +59,7 @@ class Purge(StoreState):
         generation = self._generations[namespace] = self._generation(namespace) + 1
         pool = self.arena.pools.get(namespace)
         removed = pool.purge() if pool is not None else 0
+        self._forget_hints(namespace)  # hints.py: its prefetch holds, pins and retentions
         if self.disk is not None:
             removed += self.disk.purge(namespace)
             self._io.submit(self.disk.close_purged)  # freeing a large file's blocks takes a while

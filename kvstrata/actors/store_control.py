@@ -172,6 +172,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             pinned = pool.pin(request.holder, request.pin)
             self.counters["engine_pins"] += len(pinned)
             self._copy_reused(namespace, pool, [key for key, _ in request.hold] + list(pinned))  # uses: admission.py
+            self._hints_step(namespace, pool, [key for key, _ in request.hold] + list(pinned))  # hints.py: held chunks used
             promoting = self._promote(namespace, pool, [key for key in request.pin if key not in pinned])
             pending = [key for key in request.pin if promoting.get(key)]
             missing = [key for key in request.pin if promoting.get(key) is False]

@@ -128,6 +128,9 @@ class SlotPool:
     def keys(self) -> list[bytes]:
         return list(self._slot_of)
 
+    def key_at(self, slot: int) -> bytes | None:
+        return self._key_of.get(slot)
+
     def view(self, slot: int) -> np.ndarray:
         """The bytes of one slot (a view into shared memory)."""
         if not 0 <= slot < self.num_slots:

@@ -10,7 +10,8 @@ Invariants:
 - `_lock` guards everything here. The methods that do not take it themselves are called
   with it held (or from `__init__`, before any other thread knows the tier).
 - Allocated records (payload and header) never exceed `capacity` bytes; evicted records make
-  room (oldest first; with `reuse_of` set, the least reused of the oldest few first).
+  room (oldest first; with `reuse_of` set, the least reused of the oldest few first;
+  with `retention_of` set, retained records after all others).
   Records with an I/O in flight are never evicted or reused.
 - A tenant's slabs never grow past its quota (`kvstrata.tiers.quotas`): at it a slab
   evicts its own records, never another tenant's.
@@ -50,6 +51,7 @@ from kvstrata.tiers.policies import make_policy
 from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader
 from kvstrata.tiers.reuse_eviction import REUSE_EVICTION_WINDOW  # noqa: F401 - tests read it here
+from kvstrata.tiers.retention import retained_last
 from kvstrata.tiers.reuse_eviction import ReuseOf, least_reused_first
 
 logger = logging.getLogger(__package__)  # the tier logs under one name, "kvstrata.tiers.disk"
@@ -85,6 +87,9 @@ class SlabIndex:
         # (namespace, keys) -> each key's estimated recent uses; set by the node store when
         # it keeps a reuse sketch (admission.store: reuse), so evictions prefer one-offs.
         self.reuse_of: ReuseOf | None = None
+        # (namespace, key) -> live retention priority (kv.retain hints, tiers/retention.py):
+        # retained records are evicted after every unretained one, lowest priority first.
+        self.retention_of: Callable[[str, bytes], int] | None = None
         self._lock = threading.Lock()
         self._slabs: dict[str, _Slab] = {}
         self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
@@ -293,6 +298,11 @@ class SlabIndex:
         first). Busy records are skipped; a record dropped meanwhile (a dependent of one
         evicted before it) is not yielded. The caller may drop what it was given."""
         candidates = (record for record in slab.policy.candidates() if record not in slab.busy)
+        retention_of = self.retention_of
+        if retention_of is not None:  # a record dropped while deferred (a dependent) is not yielded
+            named = ((record, slab.key_of[record]) for record in candidates)
+            ordered = retained_last(named, lambda pair: retention_of(slab.namespace, pair[1]))
+            candidates = (record for record, key in ordered if slab.key_of.get(record) == key)
         if self.reuse_of is None:
             yield from candidates
             return

@@ -1,0 +1,183 @@
+"""The node store's side of KV hints: retain, pin and unpin, and one call that applies a batch.
+
+Hints come from engines (a request's `kv_hints`, or its `kv_transfer_params` on a vLLM
+without them: connector/hints.py turns them into chunk keys), from `kvstrata warm` and
+from Python (`kvstrata.hints`). They are advice: a hint that is malformed, over its
+tenant's quota or about a namespace this store does not know is refused with a reason and
+counted, and nothing a hint does can fail an engine's request.
+
+- `kv.prefetch` (prefetch.py): bring a prefix into the arena and hold it for its first use.
+- `kv.retain`: a priority (0-100) and a TTL for chunks: until it runs out, the arena and
+  the disk evict every chunk of lower priority first (tiers/retention.py). Kept by key, so
+  chunks retained before they are stored are protected from their commit on.
+- `pin` / `unpin`: hold chunks in the arena until unpinned, within the tenant's pin quota
+  (`prefetch.pin_share`); chunks on a lower tier are promoted first.
+
+Owns: the retention table (`_retention`), the `hints_*` and `retain_*` counters, the
+arena pools' and the disk tier's retention-aware eviction orders (installed at a
+namespace's first retention).
+Invariants: every call here runs under the store lock; a hint never raises out of
+`apply_hints`; a purge forgets the namespace's retentions, pins and prefetch holds.
+Must not: move chunks itself (prefetch.py and promotion.py do), or import vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvstrata.actors.prefetch import Prefetch, _check_keys
+from kvstrata.namespaces import check_namespace
+from kvstrata.tiers.arena import SlotPool
+from kvstrata.tiers.retention import MAX_PRIORITY, RetentionOrder, RetentionTable
+
+PREFETCH_ACTION = "kv.prefetch"
+RETAIN_ACTION = "kv.retain"
+PIN_ACTION = "pin"
+UNPIN_ACTION = "unpin"
+ACTIONS = (PREFETCH_ACTION, RETAIN_ACTION, PIN_ACTION, UNPIN_ACTION)
+MAX_HINT_KEYS = 65536  # keys in one action: a prompt of millions of tokens, not a flood
+
+
+class Hints(Prefetch):
+    """Mixin of `NodeStore`: retention, pins and the hint batch call."""
+
+    def _init_hints(self) -> None:
+        self._init_prefetch()
+        self._retention = RetentionTable(self._clock, self.config.prefetch.max_retained_chunks)
+        self.counters.update(
+            hints_applied=0,  # actions applied (some of their chunks may still be refused)
+            hints_refused=0,  # actions refused whole: malformed, unknown action, bad namespace
+            retain_chunks=0,  # chunks given a retention
+            retain_refused_full=0,  # retentions refused: the table holds `max_retained_chunks`
+            retain_ttl_cut=0,  # retentions whose TTL was cut to `max_retain_seconds`
+            unpins=0,
+        )
+
+    # --- the calls ----------------------------------------------------------------------
+
+    def retain(self, namespace: str, keys: Sequence[bytes], priority: int, ttl_s: float) -> dict[str, int]:
+        """Keep `keys` for `ttl_s` seconds at `priority` (1-100; higher is evicted later): the
+        arena and the disk evict every chunk of lower priority first; priority 0 ends their
+        retention. A bad argument is a ValueError naming it; a TTL over
+        `prefetch.max_retain_seconds` is cut to it."""
+        check_namespace(namespace)
+        keys = _check_keys(keys)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"retain priority must be an integer 0 to {MAX_PRIORITY}, got {priority!r}")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise ValueError(f"retain ttl must be positive seconds, got {ttl_s!r}")
+        report = {"retained": 0, "refused_full": 0, "ttl_cut": 0}
+        longest = self.config.prefetch.max_retain_seconds
+        if ttl_s > longest:
+            ttl_s, report["ttl_cut"] = longest, len(keys)
+        with self._lock:
+            if priority == 0:
+                self._retention.release(namespace, keys)
+                return report
+            refused = self._retention.retain(namespace, keys, priority, ttl_s)
+            report["retained"], report["refused_full"] = len(keys) - refused, refused
+            self.counters["retain_chunks"] += report["retained"]
+            self.counters["retain_refused_full"] += refused
+            self.counters["retain_ttl_cut"] += report["ttl_cut"]
+            self._install_retention(namespace)
+        return report
+
+    def pin_chunks(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]:
+        """Hold `keys` in the arena until `unpin_chunks` (or a purge), promoting those on a
+        lower tier; within the tenant's pin quota (`refused_quota` past it)."""
+        check_namespace(namespace)
+        keys = _check_keys(keys)
+        with self._lock:
+            self._expire_holds()
+            return self._prefetch(namespace, keys, math.inf, pinned=True)
+
+    def unpin_chunks(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """End the pins of `keys` (chunks not pinned are ignored); how many ended."""
+        check_namespace(namespace)
+        keys = _check_keys(keys)
+        ended = 0
+        with self._lock:
+            held = self._held.get(namespace, {})
+            for key in keys:
+                hold = held.get(key)
+                if hold is not None and hold.pinned:
+                    self._release(namespace, key)
+                    ended += 1
+                want = self._wanted.get((namespace, key))
+                if want is not None and want.pinned:
+                    del self._wanted[(namespace, key)]  # on its way: it lands unheld
+                    ended += 1
+            self.counters["unpins"] += ended
+        return ended
+
+    def apply_hints(self, namespace: str, actions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Apply a batch of hint actions to one namespace; one outcome per action, in order.
+
+        An action: `{"action": "kv.prefetch" | "kv.retain" | "pin" | "unpin", "keys": [...],
+        "priority": int, "ttl_seconds": float, "lease_seconds": float, "deadline_seconds":
+        float}` (what each action needs). A malformed one gets `{"ok": False, "error": why}`
+        and is counted (`hints_refused`); this call never raises for an action."""
+        outcomes: list[dict[str, Any]] = []
+        for index, action in enumerate(actions if isinstance(actions, Sequence) else ()):
+            try:
+                outcomes.append({"ok": True, **self._apply(namespace, action)})
+                with self._lock:
+                    self.counters["hints_applied"] += 1
+            except (ValueError, TypeError, KeyError) as exc:
+                with self._lock:
+                    self.counters["hints_refused"] += 1
+                outcomes.append({"ok": False, "error": f"hint action {index}: {exc}"})
+        return outcomes
+
+    def retention_priority(self, namespace: str, key: bytes) -> int:
+        """A chunk's live retention priority, 0 if none (tools, tests)."""
+        return self._retention.priority(namespace, key)
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _apply(self, namespace: str, action: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(action, Mapping):
+            raise ValueError(f"an action is a mapping, got {type(action).__name__}")
+        kind = action.get("action")
+        keys = action.get("keys")
+        if len(keys or ()) > MAX_HINT_KEYS:
+            raise ValueError(f"{len(keys)} keys in one action; at most {MAX_HINT_KEYS}")
+        if kind == PREFETCH_ACTION:
+            return self.prefetch(
+                namespace, keys, float(action.get("deadline_seconds", 0.0)), _optional_float(action, "lease_seconds")
+            )
+        if kind == RETAIN_ACTION:
+            return self.retain(namespace, keys, action.get("priority"), action.get("ttl_seconds"))
+        if kind == PIN_ACTION:
+            return self.pin_chunks(namespace, keys)
+        if kind == UNPIN_ACTION:
+            return {"unpinned": self.unpin_chunks(namespace, keys)}
+        raise ValueError(f"unknown action {kind!r} (known: {', '.join(ACTIONS)})")
+
+    def _install_retention(self, namespace: str, pool: SlotPool | None = None) -> None:
+        """The namespace's pool (and the disk tier) evict retained chunks last, from its
+        first retention on (callers hold the lock)."""
+        pool = pool or self.arena.pools.get(namespace)
+        if pool is not None and not isinstance(pool.policy, RetentionOrder):
+            pool.policy = RetentionOrder(pool.policy, pool.key_at, lambda key: self._retention.priority(namespace, key))
+        if self.disk is not None and self.disk.retention_of is None:
+            self.disk.retention_of = self._retention.priority
+
+    def _hints_step(self, namespace: str, pool: SlotPool, used: list[bytes]) -> None:
+        """Each engine step (store_control.py): held chunks it used end their prefetch hold;
+        a pool made after its namespace's first retention gets the retention order."""
+        self._prefetch_used(namespace, used)
+        if self._retention.has(namespace) and not isinstance(pool.policy, RetentionOrder):
+            self._install_retention(namespace, pool)
+
+    def _forget_hints(self, namespace: str) -> None:
+        """A purge (purge.py): the namespace's chunks are gone, and so are its holds and retentions."""
+        self._prefetch_purged(namespace)
+        self._retention.forget_namespace(namespace)
+
+
+def _optional_float(action: Mapping[str, Any], name: str) -> float | None:
+    value = action.get(name)
+    return None if value is None else float(value)
