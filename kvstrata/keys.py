@@ -37,6 +37,24 @@ def key_hash(key: bytes) -> bytes:
     return key[:-GROUP_BYTES]
 
 
+def chunk_keys(
+    hashes: list[bytes], tokens_per_hash: int, chunk_tokens: tuple[int, ...], group_ids: tuple[int, ...]
+) -> list[tuple[bytes, int]]:
+    """(key, token position its prefix ends at) of every whole chunk of a prompt, group by
+    group, from the prompt's block hashes: chunk c of group g is named by the hash at
+    position `(c + 1) * hashes_per_chunk - 1`, as vLLM's scheduler names it
+    (`RequestOffloadState.update_offload_keys`). `chunk_tokens[i]`: tokens in a chunk of
+    `group_ids[i]`; each must be a whole number of hashes (ValueError naming it)."""
+    named: list[tuple[bytes, int]] = []
+    for group, chunk in zip(group_ids, chunk_tokens):
+        per_chunk = chunk // tokens_per_hash
+        if per_chunk <= 0 or chunk % tokens_per_hash:
+            raise ValueError(f"group {group}: a chunk of {chunk} tokens is not a whole number of {tokens_per_hash}-token hashes")
+        for position in range(per_chunk - 1, len(hashes), per_chunk):
+            named.append((make_key(hashes[position], group), (position + 1) * tokens_per_hash))
+    return named
+
+
 def key_name(key: bytes) -> str:
     """Readable, file-safe name of a chunk: `<hash hex>-g<group>`."""
     return f"{key_hash(key).hex()}-g{key_group(key)}"

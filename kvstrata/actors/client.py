@@ -140,3 +140,8 @@ class RayStoreClient:
 
     def release_holder(self, holder: str, epoch: str) -> None:
         self._call("release_holder", holder, epoch)
+
+    def apply_hints(self, namespace: str, actions: list[dict[str, Any]]) -> None:
+        """KV hints (actors/hints.py), sent without waiting: the store answers each with
+        an outcome and counts refusals; a hint must never hold the scheduler."""
+        self.handle.apply_hints.remote(namespace, actions)

@@ -41,3 +41,6 @@ class LocalStoreClient:
 
     def release_holder(self, holder: str, epoch: str) -> None:
         self.store.release_holder(holder, epoch)
+
+    def apply_hints(self, namespace: str, actions: list[dict[str, object]]) -> None:
+        self.store.apply_hints(namespace, actions)

@@ -50,6 +50,7 @@ from kvstrata.connector.compat import (
     override,
 )
 from kvstrata.connector.control import ControlChannel
+from kvstrata.connector.hints import HintIntake
 from kvstrata.connector.manager_state import MAX_RESERVE_TARGET, ManagerState
 from kvstrata.connector.metrics import COUNTER_NAMES, GAUGE_NAMES, metric_name, take_stats
 from kvstrata.connector.pins import ArenaSlotsSpec, PinsAndSlots
@@ -76,6 +77,7 @@ class StrataManager(PinsAndSlots):
         async_scheduling: bool = False,
     ):
         ManagerState.__init__(self, client, layout, config, holder, enable_events, clock, async_scheduling)
+        self._hints = HintIntake(getattr(client, "apply_hints", None), layout, self._counters)  # KV hints (hints.py)
 
         asked = clock()
         registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe(), True)

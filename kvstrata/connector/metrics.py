@@ -33,6 +33,8 @@ COUNTER_NAMES = {
     "loads_skipped_object": "Chunks in the object store recomputed because loading them was slower (admission.load).",
     "chunks_probed": "Lower-tier chunks promoted in the background, no request waiting, to measure a tier whose "
     "estimate went stale while it still said recompute (admission.load).",
+    "hints_sent": "KV hint actions (kv.prefetch, kv.retain, pin, unpin) sent to the node store.",
+    "hints_dropped": "KV hint actions dropped: malformed, unsupported on this vLLM, or not deliverable (logged once per kind).",
 }
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",

@@ -74,6 +74,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         with self._lock:
             self._recompute_rate.request_started(req_context.req_id)
+            self._hints.on_new_request(req_context)  # hints.py: kv.prefetch / kv.retain / pin
         return RequestOffloadingContext()
 
     @override
@@ -271,6 +272,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             self._arrived.pop(req_id, None)
             self._load_admission.forget(req_id)
             self._recompute_rate.request_finished(req_id)
+            self._hints.on_request_finished(req_context)  # hints.py: actions over its own chunks
             used = self._req_used.pop(req_id, None)
             if used is not None:
                 self._touch_tail_first(used)
