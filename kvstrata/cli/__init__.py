@@ -6,6 +6,7 @@
     kvstrata status [--node ID] [--json] [--watch [S]]   # tables per node and tier
     kvstrata bench --config configs/local.yaml  # tier throughput on this node, beside references
     kvstrata purge [--namespace NS]             # drop chunks (pinned ones go when unpinned)
+    kvstrata warm --model M --prompt-file F [--ttl 1h]   # a prompt's KV into this node's arena
     kvstrata down [--config ...]                # unlink the arena and end the store (with a
                                                 # `cluster` section: every store, the directory)
 
@@ -75,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     purge = command("purge", "Drop stored chunks from every tier of this node's store (pinned ones go when unpinned).")
     purge.add_argument("--namespace", default=None, type=_namespace_argument, help="only this layout namespace")
+    warm = command(
+        "warm",
+        "Bring a prompt's KV into a node's arena before it is asked for (held for its first use), named "
+        "as the model's engines on that node name it; with --ttl also retain it there and on disk.",
+    )
+    warm.add_argument("--model", required=True, help="the model as its engines were given it (path or hub id)")
+    warm.add_argument("--prompt-file", required=True, help="the prompt's text (with --chat: a JSON list of messages)")
+    warm.add_argument("--ttl", default=None, type=_ttl_argument, help="retain it this long: seconds, or 5m, 1h, 24h")
+    warm.add_argument("--priority", default=50, type=int, choices=range(1, 101), metavar="1-100", help="retention priority")
+    warm.add_argument("--pin", action="store_true", help="pin it until unpinned (within the tenant's pin quota)")
+    warm.add_argument("--chat", action="store_true", help="the file is chat messages, rendered by the chat template")
+    warm.add_argument("--tokenizer", default=None, help="where to load the tokenizer from (default: --model)")
+    warm.add_argument("--cache-salt", default=None, help="the requests' cache_salt, if they set one")
+    warm.add_argument("--node", default=None, help="the Ray node whose store to warm (default: this node)")
+    warm.add_argument("--wait", default=30.0, type=float, help="seconds to wait for the chunks to land (0: do not)")
     down = command("down", "Unlink the arena and end this node's store (with a `cluster` section: every store and the directory).")
     down.add_argument("--config", default=None, help="YAML tier config; with a `cluster` section, take all down")
     return parser
@@ -88,6 +104,15 @@ def _namespace_argument(value: str) -> str:
     try:
         return check_namespace(value)
     except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ttl_argument(value: str) -> float:
+    from kvstrata.connector.hints import HintError, parse_ttl
+
+    try:
+        return parse_ttl(value)
+    except HintError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -111,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             return _up(config, console, args.allow_degraded)
         if args.command == "status":
             return _status(console, args)
+        if args.command == "warm":
+            return _warm(console, args)
         return _purge_or_down(config, console, args)
     except (ConfigError, StoreUnavailable) as exc:
         print(f"kvstrata: {exc}", file=sys.stderr)  # one unwrapped line, whatever the terminal
@@ -234,6 +261,31 @@ def _gather(node: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     stats = [ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS) for _, store in sorted(stores.items())]
     directory = [ray.get(shard.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS) for shard in shards.values()]
     return stats, directory
+
+
+def _warm(console: Console, args: argparse.Namespace) -> int:
+    from kvstrata.warm import WarmError, warm
+
+    try:
+        with open(args.prompt_file, encoding="utf-8") as file:
+            prompt = file.read()
+        reports = warm(
+            args.model, prompt, ttl_s=args.ttl, priority=args.priority, pin=args.pin, chat=args.chat,
+            tokenizer=args.tokenizer, cache_salt=args.cache_salt, node_id=args.node, wait_s=args.wait,
+        )  # fmt: skip
+    except (OSError, WarmError) as exc:
+        print(f"kvstrata warm: {exc}", file=sys.stderr)
+        return 2
+    for report in reports:
+        asked = report.get("pin") or report.get("prefetch") or {}
+        refused = ", ".join(f"{n} {why[len('refused_'):]}" for why, n in asked.items() if why.startswith("refused_"))
+        retained = f"; retained {report['retain']['retained']} for {args.ttl:g}s" if "retain" in report else ""
+        console.print(
+            f"namespace {report['namespace']}: {report['tokens']} tokens, {report['chunks']} chunks, "
+            f"{report['held']} held in the arena{f' (refused: {refused})' if refused else ''}{retained}",
+            highlight=False,
+        )
+    return 0
 
 
 def _wait(seconds: float) -> None:
