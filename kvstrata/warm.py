@@ -105,9 +105,26 @@ def warm(
             report["retain"] = ray.get(store.retain.remote(namespace, keys, priority, ttl_s), timeout=CALL_TIMEOUT_SECONDS)
         report["keys"] = keys
         reports.append(report)
-    if wait_s > 0:
-        ray.get(store.wait_io.remote(wait_s), timeout=wait_s + CALL_TIMEOUT_SECONDS)
+    _wait_landed(store, [report["namespace"] for report in reports], wait_s)
     for report in reports:
         held = ray.get(store.prefetch_holds.remote(report["namespace"]), timeout=CALL_TIMEOUT_SECONDS)
         report["held"] = sum(1 for key in report.pop("keys") if key in held)
     return reports
+
+
+def _wait_landed(store: Any, namespaces: list[str], wait_s: float, poll_s: float = 0.05) -> None:
+    """Wait until no chunk of `namespaces` is on its way for a prefetch, `wait_s` at most.
+
+    Polled: the store is one actor thread, and a call that blocked it would keep the
+    engines' steps -- which free the slots a waiting move needs -- from running."""
+    import threading
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    pending = list(namespaces)
+    while pending and time.monotonic() < deadline:
+        pending = [ns for ns in pending if ray.get(store.prefetch_pending.remote(ns), timeout=CALL_TIMEOUT_SECONDS)]
+        if pending:
+            threading.Event().wait(poll_s)  # a poll period, bounded by the deadline

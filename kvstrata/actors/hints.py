@@ -108,6 +108,7 @@ class Hints(Prefetch):
                 want = self._wanted.get((namespace, key))
                 if want is not None and want.pinned:
                     del self._wanted[(namespace, key)]  # on its way: it lands unheld
+                    self._waiting.get(namespace, set()).discard(key)
                     ended += 1
             self.counters["unpins"] += ended
         return ended
@@ -168,7 +169,7 @@ class Hints(Prefetch):
     def _hints_step(self, namespace: str, pool: SlotPool, used: list[bytes]) -> None:
         """Each engine step (store_control.py): held chunks it used end their prefetch hold;
         a pool made after its namespace's first retention gets the retention order."""
-        self._prefetch_used(namespace, used)
+        self._prefetch_used(namespace, pool, used)
         if self._retention.has(namespace) and not isinstance(pool.policy, RetentionOrder):
             self._install_retention(namespace, pool)
 

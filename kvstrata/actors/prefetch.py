@@ -23,7 +23,8 @@ evicts a pinned chunk, so never a held one. Two prefetches of one prefix move it
 the second finds it held or on its way and extends its lease.
 
 Owns: the holder `PREFETCH`, the holds (`_held`), the chunks on their way for a prefetch
-(`_wanted`), the `prefetch_*` counters.
+(`_wanted`; `_waiting`: those whose slot is still settling, started at a later engine
+step), the `prefetch_*` counters.
 Invariants (under the store lock): every hold is exactly one `PREFETCH` pin of its slot,
 undone exactly once (used, expired, unpinned, or the namespace purged); a chunk is in at
 most one of `_held` and `_wanted`; a purge forgets the namespace's holds and wants.
@@ -68,6 +69,7 @@ class Want:
 
     until: float
     pinned: bool
+    started: bool = True  # False: no slot yet, the ones its promotion evicted are settling (deferred reuse)
 
 
 def _check_keys(keys: object) -> list[bytes]:
@@ -85,6 +87,7 @@ class Prefetch(StoreState):
     def _init_prefetch(self) -> None:
         self._held: dict[str, dict[bytes, Hold]] = {}
         self._wanted: dict[tuple[str, bytes], Want] = {}
+        self._waiting: dict[str, set[bytes]] = {}  # namespace -> wanted keys with no slot yet (not started)
         self._hold_expiries: list[tuple[float, str, bytes]] = []  # heap over leased holds
         self.counters.update(
             prefetch_asked=0,  # keys prefetches named
@@ -123,6 +126,14 @@ class Prefetch(StoreState):
         with self._lock:
             self._expire_holds()
             return self._prefetch(namespace, keys, self._clock() + deadline_s + lease_s, pinned=False)
+
+    def prefetch_pending(self, namespace: str) -> int:
+        """Chunks of the namespace on their way for a prefetch or pin, or waiting for a slot."""
+        with self._lock:
+            pool = self.arena.pools.get(namespace)
+            if pool is not None:
+                self._retry_waiting(namespace, pool)
+            return sum(1 for ns, _ in self._wanted if ns == namespace)
 
     def prefetch_holds(self, namespace: str) -> dict[bytes, float]:
         """Chunks held for a prefetch or pin, with the seconds left on each hold (tools, tests)."""
@@ -190,9 +201,37 @@ class Prefetch(StoreState):
             if (namespace, key) in self._promoting:
                 self._wanted[(namespace, key)] = Want(until, pinned)
                 report["moving"] += 1
-            else:  # every slot pinned or settling: a miss now beats waiting on us
+            elif pool.settling:  # the slots it evicted free at the engines' next acknowledgement
+                self._wanted[(namespace, key)] = Want(until, pinned, started=False)
+                self._waiting.setdefault(namespace, set()).add(key)
+                report["waiting"] += 1
+            else:  # every slot pinned
                 self._refuse(report, "no_slot", 1)
         return report
+
+    def _retry_waiting(self, namespace: str, pool: SlotPool) -> None:
+        """Start the moves that waited for slots once the pool has free ones (each engine
+        step acknowledges evictions: deferred reuse); give up on those whose lease ended
+        or for which no slot is on its way (callers hold the lock)."""
+        waiting = self._waiting.get(namespace)
+        if not waiting or not pool.stats()["free"]:
+            return
+        keys = list(waiting)
+        self._promote(namespace, pool, keys)
+        now = self._clock()
+        for key in keys:
+            want = self._wanted.get((namespace, key))
+            if want is None:
+                waiting.discard(key)
+            elif (namespace, key) in self._promoting:
+                want.started = True
+                waiting.discard(key)
+            elif not pool.settling or want.until <= now:
+                del self._wanted[(namespace, key)]
+                waiting.discard(key)
+                self._refuse(Counter(), "no_slot", 1)
+        if not waiting:
+            del self._waiting[namespace]
 
     def _refuse(self, report: Counter[str], reason: str, count: int) -> Counter[str]:
         if count > 0:
@@ -295,9 +334,10 @@ class Prefetch(StoreState):
         if not self._wanted:
             return
         for (key, _), arrived in zip(items, ok):
-            want = self._wanted.pop((namespace, key), None)
-            if want is None:
+            want = self._wanted.get((namespace, key))
+            if want is None or not want.started:
                 continue
+            del self._wanted[(namespace, key)]
             slot = pool.lookup(key) if arrived else None
             if slot is None:
                 self._refuse(Counter(), "failed", 1)
@@ -306,10 +346,12 @@ class Prefetch(StoreState):
             self.counters["prefetch_moved"] += 1
             self.counters["prefetch_moved_bytes"] += pool.geometry.slot_bytes
 
-    def _prefetch_used(self, namespace: str, keys: Iterable[bytes]) -> None:
+    def _prefetch_used(self, namespace: str, pool: SlotPool, keys: Iterable[bytes]) -> None:
         """An engine step held or pinned `keys` (store_control.py, after the step's pins):
-        their leased holds end, the engine's own pins keep them now."""
+        their leased holds end, the engine's own pins keep them now. Moves that waited for
+        a slot are tried again (the step acknowledged the evictions that free one)."""
         self._expire_holds()
+        self._retry_waiting(namespace, pool)
         held = self._held.get(namespace)
         if not held:
             return
@@ -326,4 +368,5 @@ class Prefetch(StoreState):
         self._held.pop(namespace, None)
         for name in [name for name in self._wanted if name[0] == namespace]:
             del self._wanted[name]
+        self._waiting.pop(namespace, None)
         logger.debug("kvstrata node store: prefetch holds of namespace %s dropped by a purge", namespace)

@@ -192,3 +192,21 @@ def test_bad_keys_are_named(store, bad, named):
         node.prefetch(layout().namespace, bad)
     with pytest.raises(ValueError, match="lease_s"):
         node.prefetch(layout().namespace, KEYS[:1], lease_s=0)
+
+
+def test_a_move_waits_for_the_slots_it_evicted_and_starts_at_the_next_engine_step(store):
+    node, executors, _ = store(capacity_slots=4, prefetch={"max_share": 1.0})
+    ns = layout().namespace
+    on_disk_only(node, executors, KEYS[:2], ns)
+    reg = node.register("engine-w", ns, SLOT, layout().describe(), watch=True)  # answers HITs from a mirror
+    pool = node.arena.pools[ns]
+    slots = pool.reserve("engine-w", 4)
+    node.step(StepRequest("engine-w", ns, epoch=reg.epoch, commit=list(zip(slots, KEYS[4:8])), known_seq=reg.seq))
+    reply = node.step(StepRequest("engine-w", ns, epoch=reg.epoch, unpin=slots, known_seq=reg.seq))
+    executors.run_all()  # their copies to disk done: nothing pins them
+    assert node.prefetch(ns, KEYS[:2]) == {"waiting": 2}  # evicted two; they free once the engine saw them go
+    assert node.prefetch_pending(ns) == 2 and not executors["disk"].pending
+    seen = node.step(StepRequest("engine-w", ns, epoch=reg.epoch, known_seq=reply.seq))  # the evictions, in its view
+    node.step(StepRequest("engine-w", ns, epoch=reg.epoch, known_seq=seen.seq))  # acknowledged: their slots free
+    executors.run_all()
+    assert node.prefetch_pending(ns) == 0 and all(held(node, ns, k) for k in KEYS[:2])
