@@ -198,7 +198,7 @@ def run_router(name: str, args: argparse.Namespace, model: Path, nodes: list[str
         )
     kwargs: dict[str, Any] = {"ledger_flush_seconds": 0.5}
     if name == "tier_aware":
-        kwargs |= {"model": str(model), "refresh_seconds": 1.0}
+        kwargs |= {"model": str(model)}  # figures read every 5 s (the default): a store builds its report for each read
     router = {"request_router_class": ROUTERS[name], "request_router_kwargs": kwargs}
     # vLLM's own cache: room for the two requests a replica runs at once, no more.
     engine = {"max_model_len": 2048, "num_gpu_blocks_override": 100, "max_num_seqs": 2}
