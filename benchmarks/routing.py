@@ -3,6 +3,7 @@ PowerOfTwoChoices and PrefixCacheAffinityRouter, in one run, on the same trace.
 
     python benchmarks/routing.py [--conversations 18] [--turns 4] [--system-prompts 6]
                                  [--hot-share 0] [--concurrency 2] [--peer-x 3] [--disk-x 2.5]
+                                 [--refresh-seconds 5]
                                  [--routers tier_aware,power_of_two,prefix_affinity] [--json out.json]
 
 What runs, on this machine only (loopback):
@@ -198,7 +199,7 @@ def run_router(name: str, args: argparse.Namespace, model: Path, nodes: list[str
         )
     kwargs: dict[str, Any] = {"ledger_flush_seconds": 0.5}
     if name == "tier_aware":
-        kwargs |= {"model": str(model), "refresh_seconds": 1.0}
+        kwargs |= {"model": str(model), "refresh_seconds": args.refresh_seconds}
     router = {"request_router_class": ROUTERS[name], "request_router_kwargs": kwargs}
     # vLLM's own cache: room for the two requests a replica runs at once, no more.
     engine = {"max_model_len": 2048, "num_gpu_blocks_override": 100, "max_num_seqs": 2}
@@ -296,6 +297,7 @@ def main() -> None:
     parser.add_argument("--system-prompts", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--hot-share", type=float, default=0.0, help="share of conversations on system prompt 0")
+    parser.add_argument("--refresh-seconds", type=float, default=5.0, help="TierAwareRouter's refresh_seconds")
     parser.add_argument("--peer-x", type=float, default=3.0, help="peer bandwidth, times break-even")
     parser.add_argument("--disk-x", type=float, default=2.5, help="disk read bandwidth, times break-even")
     parser.add_argument("--prefill-guess", type=float, default=1200.0,

@@ -37,9 +37,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -61,6 +60,7 @@ from kvstrata.routing.plan import NoCoverage, PromptPlan, covered_by_node, plan_
 from kvstrata.routing.prompt import Tokenizers
 
 logger = logging.getLogger(__name__)
+MAX_DECISIONS = 100_000  # requests routed and not reported completed, kept at most
 
 
 @dataclass
@@ -286,7 +286,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         replica = self._replicas.get(chosen)
         if replica is not None:  # its engine computes these: the next request sharing them knows now
             self._recent.add(replica.node_id, decision.blocks)
-        self._decisions[request_id] = (decision, chosen)
+        self._remember(request_id, decision, chosen)
         self._count("estimate")
         self._metrics.covered(decision.coverage[chosen].servable)
         if self._failing:
@@ -303,6 +303,15 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 (replica.node_id if replica is not None else "?")[:12], estimate.parts(), others or "none",
                 decision.lookup_seconds * 1000,
             )  # fmt: skip
+
+    def _remember(self, request_id: str, decision: Decision, charged: ReplicaID) -> None:
+        """Keep a decision until Serve reports its request completed; a request Serve
+        dropped before sending it never is, so the oldest go past `MAX_DECISIONS`."""
+        self._decisions[request_id] = (decision, charged)
+        while len(self._decisions) > MAX_DECISIONS:
+            oldest = next(iter(self._decisions))
+            _, replica = self._decisions.pop(oldest)
+            self._in_flight[replica] = max(0, self._in_flight.get(replica, 0) - 1)
 
     def _lora(self, pending_request: PendingRequest) -> tuple[str, str] | None:
         name = pending_request.metadata.multiplexed_model_id
@@ -328,7 +337,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._in_flight[first] = self._in_flight.get(first, 0) + 1
             self._routed.add(first)
             decision = Decision([r.replica_id for r in chosen[0]], kind, {}, {}, 0, 0.0, pending_request.metadata.request_id)
-            self._decisions[pending_request.metadata.internal_request_id] = (decision, first)
+            self._remember(pending_request.metadata.internal_request_id, decision, first)
         return chosen
 
     def _count(self, kind: str) -> None:
