@@ -33,6 +33,9 @@ COUNTER_NAMES = {
     "loads_skipped_object": "Chunks in the object store recomputed because loading them was slower (admission.load).",
     "chunks_probed": "Lower-tier chunks promoted in the background, no request waiting, to measure a tier whose "
     "estimate went stale while it still said recompute (admission.load).",
+    "requests_hit_at_first_lookup": "Requests whose first lookup found their first chunk in the node arena (a HIT, no wait).",
+    "requests_retried_at_first_lookup": "Requests whose first lookup waited (RETRY) for a chunk being promoted or a fresher view.",
+    "requests_missed_at_first_lookup": "Requests whose first lookup found nothing kvstrata could serve (MISS).",
     "hints_sent": "KV hint actions (kv.prefetch, kv.retain, pin, unpin) sent to the node store.",
     "hints_dropped": "KV hint actions dropped: malformed, unsupported on this vLLM, or not deliverable (logged once per kind).",
 }

@@ -55,6 +55,9 @@ from kvstrata.tiers.arena import PoolGeometry
 from kvstrata.tiers.changelog import CPU
 
 
+FIRST_LOOKUP = {LookupResult.HIT: "requests_hit_at_first_lookup", LookupResult.RETRY: "requests_retried_at_first_lookup"}
+
+
 class ArenaSlotsSpec(BlockIDsLoadStoreSpec):
     """Arena slot numbers of a transfer, with the geometry that locates them.
 
@@ -80,7 +83,10 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         with self._lock:
+            first = req_context.req_id not in self._arrived  # its first lookup (since it last loaded)
             result = self._answer(key, req_context)
+            if first:  # what a request's first lookup found: a HIT, or a wait (RETRY), or nothing
+                self._counters[FIRST_LOOKUP.get(result, "requests_missed_at_first_lookup")] += 1
             if result is LookupResult.RETRY:
                 self._counters["lookups_retried"] += 1
             elif result is LookupResult.MISS:

@@ -108,12 +108,13 @@ def test_a_warmed_prompt_from_the_bucket_is_a_hit_at_its_first_lookup(engine):
     warmed, counted = serve_counted(llm, PROMPTS[0])
     assert_served_by_kvstrata(reference[:1], [warmed])  # every prefix chunk from kvstrata, bit-exact
     assert counted["lookups_retried"] == 0 and counted["hits_without_round_trip"] >= chunks
+    assert counted["requests_hit_at_first_lookup"] == 1
     stats = ray.get(store.stats.remote())
     assert stats["prefetch_used"] >= chunks and stats["object_promotions"] >= chunks
 
     cold, counted = serve_counted(llm, PROMPTS[1])  # the control: no warm, the same bucket
     assert_served_by_kvstrata(reference[1:], [cold])
-    assert counted["lookups_retried"] > 0
+    assert counted["lookups_retried"] > 0 and counted["requests_retried_at_first_lookup"] == 1
 
 
 def test_a_retained_prompt_outlives_a_flood_ten_times_the_arena(engine):
