@@ -57,6 +57,7 @@ from kvstrata.routing.estimate import (
 from kvstrata.routing.figures import ClusterFigures, read_cluster
 from kvstrata.routing.ledger import LedgerWriter, open_ledger
 from kvstrata.routing.plan import NoCoverage, PromptPlan, covered_by_node, plan_prompt
+from kvstrata.routing.prefetch import RoutePrefetcher, prefetch_keys
 from kvstrata.routing.prompt import Tokenizers
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Decision:
     lookup_seconds: float
     request_id: str = ""  # Serve's (an HTTP request's `x-request-id`)
     blocks: tuple[bytes, ...] = ()  # the prompt's block hashes, in every hashing looked up
+    plan: PromptPlan | None = None  # its chunk keys per namespace (route-time prefetch)
 
 
 class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -99,6 +101,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         recent_seconds: float = 60.0,
         load_half_life_s: float = 60.0,
         seed: int | None = None,
+        prefetch: bool = True,
+        prefetch_lease_s: float | None = None,
     ) -> None:
         """Kwargs of `request_router_kwargs`:
 
@@ -118,7 +122,10 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             long its prompt counts as computed on its node (the tail in the engine's own
             cache). load_half_life_s: the load bound weighs requests routed this long
             ago half. seed: of the tie-breaking
-            shuffle (tests).
+            shuffle (tests). prefetch: ask the chosen node's store to bring the prompt's
+            covered chunks into its arena while the request is on its way (prefetch.py);
+            prefetch_lease_s: how long they are held past the expected first lookup
+            (None: the store's `prefetch.lease_seconds`).
         """
         if load_factor < 1.0:
             raise ValueError(f"kvstrata router: load_factor must be >= 1, not {load_factor}")
@@ -148,6 +155,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             opener = lambda: open_ledger(deployment.app_name, deployment.name)  # noqa: E731
         self._ledger = LedgerWriter(opener, ledger_flush_seconds)
         self._metrics = _Metrics(deployment.name if deployment is not None else "")
+        self._prefetcher = RoutePrefetcher(prefetch_lease_s) if prefetch else None
 
     # --- Serve's calls ------------------------------------------------------------------
 
@@ -275,7 +283,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._margin,
         )
         blocks = tuple(block for hashes in plan.hashes.values() for block in hashes)
-        return Decision(ranking, "estimate", estimates, per_replica, plan.prompt_tokens, 0.0, blocks=blocks)
+        return Decision(ranking, "estimate", estimates, per_replica, plan.prompt_tokens, 0.0, blocks=blocks, plan=plan)
 
     def _commit(self, request_id: str, decision: Decision) -> None:
         chosen = decision.ranking[0]
@@ -286,6 +294,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         replica = self._replicas.get(chosen)
         if replica is not None:  # its engine computes these: the next request sharing them knows now
             self._recent.add(replica.node_id, decision.blocks)
+        if replica is not None and self._prefetcher is not None and decision.plan is not None:
+            self._prefetcher.send(replica.node_id, prefetch_keys(decision.plan, replica.node_id), estimate.seconds)
         self._remember(request_id, decision, chosen)
         self._count("estimate")
         self._metrics.covered(decision.coverage[chosen].servable)

@@ -7,6 +7,7 @@ power-of-two-choices router does, counted, within the decision timeout."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from ray.serve.request_router import PendingRequest
 from kvstrata.actors.directory import DirectoryShard
 from kvstrata.routing.figures import ClusterFigures, NodeFigures
 from kvstrata.routing.keys import KeyScheme, chunks_of_prompt
+from kvstrata.routing.prefetch import RoutePrefetcher
 from kvstrata.routing.router import TierAwareRouter
 from kvstrata.tiers.estimates import Cost
 
@@ -174,3 +176,47 @@ def test_nothing_is_looked_up_before_the_first_figures_arrive():
         assert made.counters == {"fallback:warming_up": 1}
 
     asyncio.run(run())
+
+
+class FakeStore:
+    """A node store's handle whose `prefetch.remote` records the call."""
+
+    def __init__(self, node: str, calls: list, arrived: threading.Event):
+        self.node, self.calls, self.arrived = node, calls, arrived
+        self.prefetch = self
+
+    def remote(self, namespace, keys, deadline_s, lease_s):
+        self.calls.append((self.node, namespace, list(keys), deadline_s, lease_s))
+        self.arrived.set()
+
+
+def test_the_chosen_node_is_asked_to_prefetch_the_prompts_loadable_chunks():
+    calls: list = []
+    arrived = threading.Event()
+
+    async def run():
+        made = router(holding("node-b", 5), prefetch_lease_s=3.0)
+        made._prefetcher = RoutePrefetcher(3.0, store_of=lambda node: FakeStore(node, calls, arrived))
+        assert (await choose(made, request(1)))[0] == "node-b"
+
+    asyncio.run(run())  # waits for the executor's job, as it shuts the loop's default executor down
+    assert arrived.is_set()
+    [(node, namespace, keys, deadline_s, lease_s)] = calls
+    assert (node, namespace, lease_s) == ("node-b", "ns", 3.0)
+    assert keys == list(chunks_of_prompt(SCHEME, PROMPT).keys)  # all 9 chunks end before the last token
+    assert 0 < deadline_s < 10  # the request's estimated time to first token
+
+
+def test_no_prefetch_when_turned_off_or_when_the_look_up_fell_back():
+    calls: list = []
+
+    async def run():
+        made = router(holding("node-b", 5), prefetch=False)
+        await choose(made, request(1))
+        assert made._prefetcher is None
+        made = router(None, decision_timeout_s=0.05)  # a shard that never answers: power of two choices
+        made._prefetcher = RoutePrefetcher(store_of=lambda node: FakeStore(node, calls, threading.Event()))
+        await choose(made, request(2))
+
+    asyncio.run(run())
+    assert calls == []
