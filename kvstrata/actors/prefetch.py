@@ -138,6 +138,7 @@ class Prefetch(StoreState):
     def prefetch_holds(self, namespace: str) -> dict[bytes, float]:
         """Chunks held for a prefetch or pin, with the seconds left on each hold (tools, tests)."""
         with self._lock:
+            self._expire_holds()
             now = self._clock()
             return {key: hold.until - now for key, hold in self._held.get(namespace, {}).items()}
 
