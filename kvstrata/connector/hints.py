@@ -32,14 +32,13 @@ are forgotten when it finishes. Must not import vLLM (compat does) or the routin
 from __future__ import annotations
 
 import logging
-import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.connector.compat import ReqContext, key_positions, prefix_block_hashes
 from kvstrata.keys import Layout, chunk_keys
+from kvstrata.tiers.retention import parse_ttl as retention_ttl
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +50,6 @@ ACTION_TYPES = {
 TRANSFER_PARAMS_KEY = "kv_hints"  # kv_transfer_params["kv_hints"]: the envelope, where vLLM has none or HTTP drops it
 MAX_ACTIONS = 32
 DEFAULT_PRIORITY = 50
-_TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class HintError(ValueError):
@@ -80,16 +77,11 @@ class HintAction:
 
 
 def parse_ttl(value: Any) -> float:
-    """Seconds from a number or "300s", "5m", "1h", "24h", "2d"."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _TTL.match(value)):
-        seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    else:
-        raise HintError(f"ttl {value!r} is not seconds or a duration like '5m', '1h', '24h'")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise HintError(f"ttl must be positive, got {value!r}")
-    return seconds
+    """Seconds from a number or "300s", "5m", "1h", "24h", "2d" (tiers/retention.py)."""
+    try:
+        return retention_ttl(value)
+    except ValueError as exc:
+        raise HintError(str(exc)) from None
 
 
 def _field(obj: Any, name: str) -> Any:

@@ -24,6 +24,8 @@ Must not: import Ray or vLLM; evict anything itself.
 from __future__ import annotations
 
 import heapq
+import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -34,6 +36,22 @@ from kvstrata.tiers.policies.base import EvictionPolicy
 T = TypeVar("T")
 MAX_PRIORITY = 100
 Name = tuple[str, bytes]  # (namespace, key)
+_TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_ttl(value: object) -> float:
+    """Seconds from a number or a duration as APIs write them: "300s", "5m", "1h", "24h", "2d"
+    (a ValueError naming the value otherwise)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _TTL.match(value)):
+        seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    else:
+        raise ValueError(f"ttl {value!r} is not seconds or a duration like '5m', '1h', '24h'")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"ttl must be positive, got {value!r}")
+    return seconds
 
 
 class RetentionTable:
