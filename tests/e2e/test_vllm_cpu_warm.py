@@ -4,8 +4,9 @@
   no disk), warmed from outside the engine, is a HIT at the request's first lookup: no
   RETRY, every prefix chunk from the arena, output bit-exact. The same request without
   the warm waits a step per promotion (RETRY): the control.
-- A retained prompt outlives a flood of one-off prompts ten times the arena, still a
-  HIT at its first lookup; a prompt that was not retained is gone from the arena.
+- A prompt whose request carried a `kv.retain` hint (in `kv_transfer_params`) outlives a
+  flood of one-off prompts ten times the arena, still a HIT at its first lookup; a
+  prompt that was not retained is gone from the arena.
 
 The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) so the test
 reads the manager's own counters of what it answered.
@@ -17,6 +18,7 @@ import gc
 
 import pytest
 import ray
+from vllm import SamplingParams
 
 from kvstrata.actors.client import get_node_store
 from kvstrata.connector.compat import ScheduleEndContext
@@ -117,12 +119,19 @@ def test_a_warmed_prompt_from_the_bucket_is_a_hit_at_its_first_lookup(engine):
     assert counted["lookups_retried"] > 0 and counted["requests_retried_at_first_lookup"] == 1
 
 
-def test_a_retained_prompt_outlives_a_flood_ten_times_the_arena(engine):
+def test_a_prompt_retained_by_its_requests_hint_outlives_a_flood_ten_times_the_arena(engine):
     llm, model, store, reference = engine
-    run_round(llm, PROMPTS)  # both resident now
-    # The retention, not the prefetch's hold, must keep it: the hold ends at once.
-    warm(str(model), PROMPTS[0], ttl_s=3600, priority=80, lease_s=0.01)
+    run_round(llm, PROMPTS[1:])  # resident now, not retained
+    # The request itself asks for its prompt to be kept (kv_transfer_params: what the
+    # OpenAI server takes); the engine sends the hint to the store through Ray.
+    retain = {"action_id": "r", "action_type": "kv.retain", "action_version": "1.0", "payload": {"priority": 80, "ttl": "1h"}}
+    params = SamplingParams(max_tokens=16, temperature=0.0, extra_args={
+        "kv_transfer_params": {"kv_hints": {"protocol_version": "1.0", "message_id": "m", "actions": [retain]}}})  # fmt: skip
+    llm.reset_prefix_cache()
+    llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert manager_of(llm).counters()["hints_sent"] >= 1
     flood(llm, store, 10 * ARENA_SLOTS, start=1000)
+    assert ray.get(store.stats.remote())["retain_chunks"] >= expected_hit(reference[0]["prompt_tokens"]) // BLOCK
     refresh_view(llm)
     kept, counted = serve_counted(llm, PROMPTS[0])
     assert_served_by_kvstrata(reference[:1], [kept])
