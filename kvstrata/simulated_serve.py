@@ -192,7 +192,8 @@ def serve_app(
         base_url = f"http://127.0.0.1:{port}"
         try:
             wait_until_serving(base_url, model_id, timeout_s=timeout_s)
-        except OSError as exc:
+            _wait_until_running(app_name, timeout_s)  # every replica up: its engine's queues exist
+        except (OSError, TimeoutError) as exc:
             raise RuntimeError(f"the Serve app did not serve within {timeout_s} s: {serve.status()}") from exc
         handle = serve.get_deployment_handle(f"{DEPLOYMENT}:{model_id}", app_name)
         app = ServedApp(base_url, model_id, app_name, nodes, handle, serve_engine_shared_memory(app_name))
@@ -204,6 +205,20 @@ def serve_app(
             path.unlink(missing_ok=True)
         if ray.is_initialized():
             take_down_kvstrata(nodes, app or ServedApp("", model_id, app_name, nodes, None))
+
+
+def _wait_until_running(app_name: str, timeout_s: float) -> None:
+    """Until Serve reports the app RUNNING (all replicas started); a request can be served
+    by the first replica while the others' engines are still starting."""
+    import time
+
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while str(serve.status().applications[app_name].status).rsplit(".", 1)[-1] != "RUNNING":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve app {app_name} not RUNNING within {timeout_s} s: {serve.status()}")
+        time.sleep(0.5)
 
 
 def stream_chat(

@@ -19,8 +19,9 @@ from tests.utils import key
 
 
 def published(events) -> list:
-    """What vLLM's connector publishes for these manager events."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+    """What vLLM's connector publishes for these manager events (vLLM's tracker: 0.32+)."""
+    events_module = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading.events")
+    OffloadingEventsTracker = events_module.OffloadingEventsTracker
     from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
 
     tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(enable_kv_cache_events=True, self_describing_kv_events=False))
