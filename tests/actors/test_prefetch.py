@@ -142,6 +142,23 @@ def test_a_lease_runs_out_unused_and_the_chunk_is_left_to_eviction(store):
     assert node.counters["prefetch_expired_unused"] == 2
     assert node.counters["prefetch_expired_unused_bytes"] == 2 * SLOT
     assert node.counters["prefetch_used"] == 0
+    assert len(node.arena.pools[ns].reserve("engine-b", 64)) == 16  # its slots are an engine's to take again
+
+
+def test_a_prefetch_whose_request_never_comes_frees_its_slots_also_when_its_move_lands_late(store):
+    # A cancelled request's prefetch costs at most its lease: here the lease ends while
+    # the chunks are still on their way; once they land they are not held.
+    node, executors, clock = store(prefetch={"lease_seconds": 1})
+    ns = layout().namespace
+    epoch = on_disk_only(node, executors, KEYS[:3], ns)
+    assert node.prefetch(ns, KEYS[:3]) == {"moving": 3}
+    clock.advance(2)
+    executors.run_all()  # landed after the lease ended
+    node.step(StepRequest("engine-a", ns, epoch=epoch))
+    assert not node.prefetch_holds(ns) and node.prefetch_pending(ns) == 0
+    assert node.counters["prefetch_expired_unused"] == 3 and node.counters["prefetch_used"] == 0
+    assert len(node.arena.pools[ns].reserve("engine-b", 64)) == 16
+    assert node.arena.pools[ns].stats()["pinned"] == 0
 
 
 def test_a_second_prefetch_extends_the_lease(store):

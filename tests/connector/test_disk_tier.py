@@ -359,3 +359,27 @@ def test_closing_the_store_lets_promotions_being_verified_finish(env, monkeypatc
     closer.join(20)
     assert not closer.is_alive(), "closing the store deadlocked with a verification"
     assert store.counters["promotions"] == 4 and not store._promoting
+
+
+def test_a_prefetched_chunk_is_a_hit_at_its_requests_first_lookup_bit_exact(env):
+    # What route-time prefetch and `kvstrata warm` are judged by (issue #41): the engine's
+    # first lookup of a prefetched chunk answers HIT, with the bytes stored. The control,
+    # a chunk on disk that nobody prefetched, waits (RETRY) at its request's first lookup.
+    store, writer, reader, data = on_disk_only(env, [key(1), key(2)])
+    assert store.prefetch(reader.namespace, [key(1)]) in ({"moving": 1}, {"waiting": 1})
+    for _ in range(20):  # engines acknowledge evictions every step: the slot the move takes frees up
+        step(writer)
+        step(reader)
+        store.wait_io(10)
+        if store.prefetch_holds(reader.namespace):
+            break
+    assert set(store.prefetch_holds(reader.namespace)) == {key(1)}
+    step(reader)  # the reader's view learns it landed (as a serving engine's every step does)
+    assert reader.lookup(key(1), ctx("warm")) is HIT
+    assert reader.lookup(key(2), ctx("cold")) is RETRY
+    counted = reader.counters()
+    assert counted["requests_hit_at_first_lookup"] == 1 and counted["requests_retried_at_first_lookup"] == 1
+    spec = reader.prepare_load([key(1)], ctx("warm"))
+    assert np.array_equal(store.arena.pools[reader.namespace].view(int(spec.block_ids[0])), data[key(1)])
+    step(reader)  # its pin reaches the store: the hold ends, counted as used
+    assert store.stats()["prefetch_used"] == 1 and not store.prefetch_holds(reader.namespace)
