@@ -220,3 +220,17 @@ def test_no_prefetch_when_turned_off_or_when_the_look_up_fell_back():
 
     asyncio.run(run())
     assert calls == []
+
+
+def test_a_store_that_cannot_be_reached_costs_the_request_nothing():
+    def unreachable(node):
+        raise ConnectionError(f"store on {node} is gone")
+
+    async def run():
+        made = router(holding("node-b", 5))
+        made._prefetcher = RoutePrefetcher(store_of=unreachable)
+        assert (await choose(made, request(1)))[0] == "node-b"  # routed as without prefetch
+        return made._prefetcher
+
+    prefetcher = asyncio.run(run())  # waits for the executor's job
+    assert prefetcher.counters == {"sent": 0, "chunks": 0, "failed": 1}
