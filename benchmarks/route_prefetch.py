@@ -57,7 +57,8 @@ FIRST_LOOKUP = ("hit", "retried", "missed")
 PREFETCH_COUNTERS = (
     "prefetch_asked", "prefetch_resident", "prefetch_joined", "prefetch_moved", "prefetch_moved_bytes", "prefetch_used",
     "prefetch_expired_unused", "prefetch_expired_unused_bytes", "prefetch_refused_break_even", "prefetch_refused_budget",
-    "prefetch_refused_absent", "prefetch_refused_no_slot", "disk_promotions", "object_promotions", "peer_promotions",
+    "prefetch_refused_absent", "prefetch_refused_no_slot", "prefetch_refused_failed", "prefetch_refused_unknown_namespace",
+    "prefetch_expired_resident", "disk_promotions", "object_promotions", "peer_promotions",
 )  # fmt: skip
 
 
