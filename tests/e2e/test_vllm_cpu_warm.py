@@ -15,6 +15,8 @@ reads the manager's own counters of what it answered.
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
 import pytest
 import ray
@@ -88,6 +90,14 @@ def refresh_view(llm) -> None:
     assert manager.wait_idle(10)
 
 
+def wait_for_retained(store, chunks: int, timeout_s: float = 30.0) -> None:
+    """Poll the store until it retains `chunks` chunks (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while ray.get(store.stats.remote())["retain_chunks"] < chunks:
+        assert time.monotonic() < deadline, f"the store never retained {chunks} chunks"
+        threading.Event().wait(0.05)  # a poll period, bounded by the deadline
+
+
 def serve_counted(llm, prompt: str) -> tuple[dict, dict]:
     manager = manager_of(llm)
     before = manager.counters()
@@ -129,9 +139,13 @@ def test_a_prompt_retained_by_its_requests_hint_outlives_a_flood_ten_times_the_a
         "kv_transfer_params": {"kv_hints": {"protocol_version": "1.0", "message_id": "m", "actions": [retain]}}})  # fmt: skip
     llm.reset_prefix_cache()
     llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    # vLLM tells the manager that a request finished at its next scheduler step: take one.
+    run_round(llm, one_offs(1, start=999), max_tokens=1)
     assert manager_of(llm).counters()["hints_sent"] >= 1
+    retained = expected_hit(reference[0]["prompt_tokens"]) // BLOCK
+    wait_for_retained(store, retained)  # the hint is an actor call the engine does not wait for
     flood(llm, store, 10 * ARENA_SLOTS, start=1000)
-    assert ray.get(store.stats.remote())["retain_chunks"] >= expected_hit(reference[0]["prompt_tokens"]) // BLOCK
+    assert ray.get(store.stats.remote())["retain_chunks"] >= retained
     refresh_view(llm)
     kept, counted = serve_counted(llm, PROMPTS[0])
     assert_served_by_kvstrata(reference[:1], [kept])
