@@ -91,12 +91,21 @@ def first_lookups(nodes: list[str]) -> dict[str, float]:
     return totals
 
 
-def wait_for_first_lookups(nodes: list[str], at_least: float, timeout_s: float = 60.0) -> dict[str, float]:
-    """Ray exports metrics every few seconds: poll until the counters reach `at_least` requests."""
+def wait_for_first_lookups(nodes: list[str], at_least: float, timeout_s: float = 90.0, settled_s: float = 12.0) -> dict[str, float]:
+    """Ray exports metrics every few seconds, each node on its own: poll until the counters
+    reach `at_least` requests and then stay unchanged for `settled_s` (a reading taken as
+    soon as the total reached `at_least` could miss counts still on their way, which the
+    next reading would then charge to the measured requests)."""
     deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
     while True:
         totals = first_lookups(nodes)
-        if sum(totals.values()) >= at_least or time.monotonic() > deadline:
+        now = time.monotonic()
+        if sum(totals.values()) != last:
+            last, since = sum(totals.values()), now
+        elif last >= at_least and now - since >= settled_s:
+            return totals
+        if now > deadline:
             return totals
         threading.Event().wait(1.0)  # a poll period, bounded by the deadline
 
