@@ -97,9 +97,14 @@ def with_blocks(text: str, generated: dict[str, str]) -> str:
     return text
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"replace the tables in {DOCS}")
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     generated = blocks()
     if not args.write:

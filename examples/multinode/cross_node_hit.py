@@ -69,11 +69,16 @@ def simulated_config(shm_dir: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", type=int, default=0, help="simulate this many nodes on this machine")
     parser.add_argument("--config", default=None, help="kvstrata YAML with a `cluster` section (real clusters)")
     parser.add_argument("--model", default=None, help="model for every engine (default with --simulate: a tiny Llama)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
