@@ -72,3 +72,10 @@ def test_every_anchored_link_in_the_docs_resolves():
             if not target.is_file() or anchor not in anchors(target.read_text()):
                 broken.append(f"{doc.relative_to(ROOT)} -> {target.name}#{anchor}")
     assert not broken, broken
+
+
+def test_the_readme_lists_every_doc_page():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("\n## Documentation\n", 1)[1]
+    missing = [page.name for page in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{page.name})" not in table]
+    assert not missing, f"README's Documentation table leaves out {missing}"

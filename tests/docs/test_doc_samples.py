@@ -46,3 +46,8 @@ def test_the_engines_table_sample_has_the_status_columns():
     columns = [str(column.header) for column in table.columns]
     header = DOC.split("engines holding a lease\n", 1)[1].splitlines()[1]
     assert [cell.strip() for cell in header.strip("┃").split("┃")] == columns
+
+
+def test_configs_local_yaml_is_the_built_in_default():
+    """What README.md and docs/config.md say of it: no config and configs/local.yaml are the same."""
+    assert load_config(ROOT / "configs" / "local.yaml") == load_config(None)
