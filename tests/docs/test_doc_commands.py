@@ -195,7 +195,9 @@ def parser_of(program: str) -> argparse.ArgumentParser:
         module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
         spec.loader.exec_module(module)
         assert hasattr(module, "build_parser"), f"{program} has no build_parser(): give it one (see this test's docstring)"
-        return module.build_parser()
+        parser = module.build_parser()
+    parser.prog = program  # argparse's messages name the script, not pytest
+    return parser
 
 
 def check(command: DocCommand) -> None:
