@@ -114,7 +114,7 @@ def run(disk: str, bucket: str, requests: list[list[bytes]], workdir: Path, aren
         store.close()
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--one-off", type=float, default=0.7)
@@ -123,6 +123,11 @@ def main() -> int:
     parser.add_argument("--arena-slots", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     requests = trace(args.requests, args.one_off, args.repeated, args.chunks, args.seed)
     results = {}

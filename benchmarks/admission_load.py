@@ -207,7 +207,7 @@ def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10, method="inclusive")[-1]
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=2)
@@ -226,6 +226,11 @@ def main() -> int:
         help="admission.stale_seconds of the capped engines: small, the tier's estimate goes stale between prompts",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     set_session_env()
 

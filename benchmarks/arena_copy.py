@@ -70,7 +70,7 @@ def cuda_reference_seconds(chunk_bytes: int, num_chunks: int, repeats: int) -> t
     return best_of(repeats, to_host), best_of(repeats, to_dev)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8, help="KV tensors (layers) per chunk")
     parser.add_argument("--total-mib", type=int, default=512, help="bytes moved per measurement")
@@ -78,6 +78,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--copy-threads", type=int, default=2, help="CPU copy threads (engine.copy_threads)")
     add_out_argument(parser)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else ""
     columns = ["chunk KiB", "store GB/s", "load GB/s", "ref store GB/s", "ref load GB/s", "store/ref", "load/ref"]

@@ -162,7 +162,7 @@ def goals(rows: list[dict[str, object]]) -> list[dict[str, object]]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--pages-kib", default="8,16,32,64,256,2048", help="page sizes, comma-separated KiB")
@@ -170,6 +170,11 @@ def main() -> None:
     parser.add_argument("--max-total-mib", type=int, default=256, help="bytes per transfer at most")
     parser.add_argument("--repeats", type=int, default=3)
     add_out_argument(parser)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here; --device cpu runs the CPU analogue")

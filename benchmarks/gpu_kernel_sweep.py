@@ -30,12 +30,17 @@ COLUMNS = ["page KiB", "variant", "load GB/s", "store GB/s", "both GB/s", "gemm 
 VARIANTS = "12:1:512:4,8:4:1024:4,4:8:1024:8,4:16:1024:8,2:16:1024:8,12:4:1024:4,16:8:1024:8"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=VARIANTS, help="programs:rows_per_step:chunk_words:warps, comma-separated")
     parser.add_argument("--pages-kib", default="8,64")
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")

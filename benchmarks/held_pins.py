@@ -87,10 +87,15 @@ def step_times(pins: int, steps: int, shm_dir: str) -> list[float]:
         store.close()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pins", type=int, nargs="+", default=[0, 1000, 10000])
     parser.add_argument("--steps", type=int, default=100)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if any(n < 0 for n in args.pins) or args.steps < 2:
         parser.error("--pins must not be negative and --steps must be at least 2")

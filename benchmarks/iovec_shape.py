@@ -99,12 +99,17 @@ def measure(directory: str, shm_dir: str, payload: int, per_call: int, rounds: i
     return seconds
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="256,1024", help="payload sizes in KiB, comma-separated")
     parser.add_argument("--per-call", type=int, default=128, help="records per call (the tier: up to 32 MiB, 256 at most)")
     parser.add_argument("--rounds", type=int, default=4)
     add_out_argument(parser)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     sizes_kib = [int(size) for size in args.sizes.split(",")]
     columns = ["chunk KiB", "records per call", "phase"]

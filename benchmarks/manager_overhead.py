@@ -273,7 +273,7 @@ def report(spec: TraceSpec, arena_chunks: int, forward_ms: float, base: Result, 
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", choices=[*TRACES, "all"], default="all")
     parser.add_argument("--requests", type=int, help="requests per trace (default: 400 / 200 / 240)")
@@ -282,6 +282,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small traces: a smoke run of under a minute")
     parser.add_argument("--plain", action="store_true", help="plain text tables even where rich is installed")
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if (args.requests is not None and args.requests < 1) or (args.arena_chunks is not None and args.arena_chunks < 1):
         parser.error("--requests and --arena-chunks must be positive")

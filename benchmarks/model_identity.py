@@ -344,7 +344,7 @@ def sampled_coverage() -> None:
     print(f"  an in-place edit of 100 random embedding rows keeps it with probability {kept:.2f}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, nargs="+", default=[2.0], help="checkpoint sizes (default 2 GiB)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per fingerprint case (medians reported)")
@@ -352,6 +352,11 @@ def main() -> None:
                         help="start a whole vLLM engine only on checkpoints up to this size (it holds them in RAM)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to write the checkpoints")
     parser.add_argument("--coverage", action="store_true", help="only print what `sampled` reads of an 8B layout")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still removes its checkpoints
     if args.coverage:

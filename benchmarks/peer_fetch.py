@@ -94,11 +94,16 @@ def peer_fetch(writer, node_a: str, node_b: str, namespace: str, chunk: int, cou
     return elapsed
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     add_out_argument(parser)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     columns = ["chunk KiB", "kvstrata GB/s", "ray put+get GB/s", "ratio"]
     results = Results("peer_fetch", run_title("peer_fetch.py", args), columns)

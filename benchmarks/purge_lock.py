@@ -37,10 +37,15 @@ def fill(store: NodeStore, namespace: str, chunks: int) -> list[bytes]:
     return keys
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=20000)
     parser.add_argument("--json", type=Path)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvstrata-purge-bench-") as tmp:
         work = Path(tmp)

@@ -290,7 +290,7 @@ def summary(run: dict[str, Any], trace_requests: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=18)
     parser.add_argument("--turns", type=int, default=4)
@@ -304,6 +304,11 @@ def main() -> None:
                         help="tokens/s this CPU prefills (sets the bucket and peer caps; the measured rate is printed)")
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--json", type=Path)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
 
     from kvstrata.faults.proxy import FaultProxy

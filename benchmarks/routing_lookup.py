@@ -207,12 +207,17 @@ def wire_bytes(tokenizers: Tokenizers, shards: int) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", type=Path)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     results: dict[str, Any] = {"args": vars(args) | {"json": str(args.json)}, "date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-routing-") as scratch:

@@ -449,7 +449,7 @@ def disk_main(
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tier", choices=["disk", "object"], default="disk")
     parser.add_argument("--concurrency", type=int, default=16, help="object tier: max_concurrency")
@@ -462,6 +462,11 @@ def main() -> None:
         "--sizes", default=",".join(map(str, SIZES_KIB)), help="disk tier: chunk sizes in KiB, comma-separated"
     )
     add_out_argument(parser)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.tier == "object":
         total_mib = args.total_mib if args.total_mib != 512 else 256

@@ -137,7 +137,7 @@ def measure_piece(
     return seconds, alone
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", default=None, help="directory on the disk to measure (default: a temp dir in /var/tmp)")
     parser.add_argument("--total-mib", type=int, default=1024)
@@ -147,6 +147,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=8)
     add_out_argument(parser)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     size, pieces_mib = args.total_mib << 20, [int(piece) for piece in args.piece_mib.split(",")]
     columns = ["piece KiB", "mode", "GB/s", "ratio to nothing", "min ratio", "max ratio"]

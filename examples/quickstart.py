@@ -40,13 +40,18 @@ def show(say: Callable[[str], None], round_name: str, results: list[dict], node_
         )
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--hybrid",
         action="store_true",
         help="a hybrid model: 64-token sliding window on even layers, full attention on odd ones",
     )
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     from kvstrata.quiet import quiet_output
 

@@ -126,7 +126,9 @@ class CpuTierConfig(_Strict):
         description="the arena grows in shared-memory files of this size (whole slots)",
     )
     shm_dir: str = Field(default="/dev/shm", description="where arena segments live")
-    eviction_policy: str = Field(default="lru", pattern=r"^[a-z_]+$")
+    eviction_policy: str = Field(
+        default="lru", pattern=r"^[a-z_]+$", description="eviction policy by name, from kvstrata/tiers/policies (`lru`)"
+    )
     prefault: bool = Field(
         default=True, description="touch new segments once so first copies run at memcpy speed"
     )
@@ -212,6 +214,8 @@ def _masked(options: Any) -> Any:
 
 
 class TiersConfig(_Strict):
+    """The node's tiers: the arena always, disk and object storage when their section is present."""
+
     cpu: CpuTierConfig = CpuTierConfig()
     disk: DiskTierConfig | None = None
     object: ObjectTierConfig | None = None
@@ -334,10 +338,14 @@ class PrefetchConfig(_Strict):
 
 
 class RayConfig(_Strict):
+    """The Ray cluster engines join, and the node-store actor's resources."""
+
     address: str = Field(
         default="auto", description="Ray cluster to join when the process has not joined one"
     )
-    store_num_cpus: float = Field(default=0.0, ge=0)
+    store_num_cpus: float = Field(
+        default=0.0, ge=0, description="CPUs the node-store actor reserves from Ray's scheduler (0: none)"
+    )
 
 
 class ClusterConfig(_Strict):

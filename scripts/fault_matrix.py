@@ -27,18 +27,27 @@ from kvstrata.faults.session import set_session_env  # noqa: E402
 set_session_env()
 
 
-def main() -> int:
+def row_names() -> list[str]:
     from kvstrata.faults.multinode import MULTINODE_FAULTS
     from kvstrata.faults.rows import FAULTS
 
+    return [f.name for f in FAULTS] + list(MULTINODE_FAULTS)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    names = [f.name for f in FAULTS] + list(MULTINODE_FAULTS)
-    parser.add_argument("--only", help=f"comma-separated rows of: {', '.join(names)}")
+    parser.add_argument("--only", help=f"comma-separated rows of: {', '.join(row_names())}")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument(
         "--min-rounds", type=int, default=0, help="run at least this many rounds per row (hunting rare changed outputs)"
     )
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
+    names = row_names()
     wanted = [n for n in (args.only or "").split(",") if n] or names
     unknown = [n for n in wanted if n not in names]
     if unknown:

@@ -174,12 +174,17 @@ def print_summary(rows: list[list[str]], goals: list[list[str]]) -> None:
         console.print(goal_table)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for the results (created; at most 8 files)")
     parser.add_argument("--cpu", action="store_true", help="run every part on CPU (forced where torch sees no GPU)")
     parser.add_argument("--only", default=None, help="comma-separated part names to run (default: all)")
     parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every part's time limit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     import torch
 

@@ -396,12 +396,17 @@ def legend(template: str, labels: dict[str, str]) -> str:
 from render_panels import draw_dashboard  # noqa: E402 - after sys.path holds this checkout
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=150.0, help="how long to drive the cluster")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "grafana-dashboard.png")
     parser.add_argument("--from-csv", type=Path, help="draw this recording instead of recording one")
     parser.add_argument("--keep-csv", type=Path, help="also save the recording here")
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     dashboard = json.loads(DASHBOARD.read_text())
     with tempfile.TemporaryDirectory(prefix="kvstrata-dashboard-") as tmp:

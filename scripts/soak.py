@@ -22,6 +22,15 @@ from kvstrata.faults.session import set_session_env  # noqa: E402
 set_session_env()
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", type=int, default=12, help="samples shown in the table (evenly spaced)")
+    parser.add_argument("--json", type=Path, help="also write every sample as JSON here")
+    return parser
+
+
 def main() -> int:
     from rich.console import Console
     from rich.table import Table
@@ -29,11 +38,7 @@ def main() -> int:
     from kvstrata.faults.session import fault_session
     from kvstrata.faults.soak import run_soak
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rows", type=int, default=12, help="samples shown in the table (evenly spaced)")
-    parser.add_argument("--json", type=Path, help="also write every sample as JSON here")
+    parser = build_parser()
     args = parser.parse_args()
     with fault_session("kvstrata-soak") as model:
         result = run_soak(model, args.minutes, seed=args.seed, on_sample=_progress)

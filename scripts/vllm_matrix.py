@@ -16,6 +16,7 @@ Exit status: the first failing run's, else 0.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -85,8 +86,14 @@ def run(version: str) -> int:
     ).returncode
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("versions", nargs="*", default=["0.29.0", "0.33.0"], help="vLLM releases (default: 0.29.0 0.33.0)")
+    return parser
+
+
 def main() -> int:
-    versions = sys.argv[1:] or ["0.29.0", "0.33.0"]
+    versions = build_parser().parse_args().versions
     codes = [run(version) for version in versions]
     return next((code for code in codes if code), 0)
 

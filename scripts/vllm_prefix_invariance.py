@@ -52,11 +52,16 @@ def run_trial(llm, prompts: list[str], cached_blocks: list[int], joins: list[int
     return [done[i] for i in range(len(prompts))]
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--join-steps", type=int, default=30, help="requests join within this many steps (0: all at once)")
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams

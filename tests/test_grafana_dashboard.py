@@ -200,14 +200,12 @@ def test_the_hit_ratio_stacks_to_one_over_the_tiers_and_the_misses(dashboard):
     assert panel["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
 
 
-def test_the_docs_tables_are_generated_from_the_dashboard_and_metrics():
-    """docs/dashboard.md lists every panel and every exported metric as they are now."""
+def test_the_metrics_table_names_every_metric_the_dashboard_uses():
+    """The table scripts/gen_docs.py writes into docs/dashboard.md (tests/docs/test_generated_docs.py
+    checks that the docs hold it) lists every metric the dashboard queries."""
     spec = importlib.util.spec_from_file_location("metrics_table", ROOT / "scripts" / "metrics_table.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    text = DOCS.read_text()
-    for block, table in module.blocks().items():
-        assert module.block_in(text, block) == table, f"{block} is stale: run python scripts/metrics_table.py --write"
     metrics = module.metrics_table()
     assert not [name for name in STORE_METRICS | ENGINE_METRICS if f"`{name}`" not in metrics]
 

@@ -14,6 +14,9 @@ the prompts (its node's store keeps their KV); the engine on the second node the
 the same prompts after its own prefix cache is reset: every cached token it reports came
 from the first node's store, fetched over Ray. The script prints both rounds and the
 stores' counters; what vLLM, Ray and torch say goes to a log file named on the first line.
+
+On a real cluster it leaves the stores, the directory and the reconciler that `kvstrata up`
+made running (`kvstrata down --config ...` ends them); with `--simulate` it ends all it made.
 """
 
 from __future__ import annotations
@@ -69,11 +72,16 @@ def simulated_config(shm_dir: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", type=int, default=0, help="simulate this many nodes on this machine")
     parser.add_argument("--config", default=None, help="kvstrata YAML with a `cluster` section (real clusters)")
     parser.add_argument("--model", default=None, help="model for every engine (default with --simulate: a tiny Llama)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)
@@ -133,7 +141,10 @@ def run(args: argparse.Namespace, out: TextIO) -> None:
                 counters = {k: stats[k] for k in ("engine_pins", "peer_promotions", "chunks_exported")}
                 print(f"store on {node_id[:12]}: {json.dumps(counters)}", file=out)
         finally:
-            down(config)
+            if sim is not None:  # it made the stores, the directory and the reconciler: end them
+                down(config)
+            else:  # they are `kvstrata up`'s, serving other engines too: left running
+                print(f"the stores stay up: `kvstrata down --config {args.config}` ends them", file=out)
             ray.shutdown()
             if sim is not None:
                 sim.shutdown()

@@ -69,10 +69,15 @@ def build_app(llm_config):
     )
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model directory or Hugging Face id (default: a tiny random Llama)")
     parser.add_argument("--port", type=int, default=8000)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     for name, value in CPU_ENV.items():
         os.environ.setdefault(name, value)

@@ -14,7 +14,10 @@ store.
 
 from __future__ import annotations
 
-from kvstrata.connector.compat import OffloadingConnectorStats
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # vLLM is imported by `take_stats` only: the names above are read without it (scripts/gen_docs.py)
+    from kvstrata.connector.compat import OffloadingConnectorStats
 
 COUNTER_NAMES = {
     "chunks_loaded": "Chunks loaded from the kvstrata node arena into the KV cache.",
@@ -60,6 +63,8 @@ def take_stats(counters: dict[str, int], reported: dict[str, int], gauges: dict[
     counter that never grew (`stores_failed`, ...) would have no sample on `/metrics`
     and `rate()` or an alert on it would see nothing instead of 0.
     """
+    from kvstrata.connector.compat import OffloadingConnectorStats
+
     stats = OffloadingConnectorStats()
     for name, value in counters.items():
         previous = reported.get(name)
