@@ -74,12 +74,17 @@ def run(case: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"first_half": sum(hits[:half]) / half, "second_half": sum(hits[half:]) / (len(hits) - half), "prompts": prompts}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/docs/test_doc_commands.py checks the docs' commands against it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arena-chunks", type=int, default=64)
     parser.add_argument("--system-chunks", type=int, default=8)
     parser.add_argument("--flood-x", type=int, default=10)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     for case in ("lru", "retained", "expiring"):
         result = run(case, args)
         print(f"{case:9s} system prompt hit rate over a flood of {result['prompts']} one-off prompts "

@@ -213,7 +213,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/docs/test_doc_commands.py checks the docs' commands against it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=32)
     parser.add_argument("--cancel-asks", type=int, default=2, help="times each document is asked in the cancel mode")
@@ -227,7 +228,11 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=3.0)
     parser.add_argument("--modes", default="off,on,on+cancel")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     from kvstrata.faults.session import set_session_env
     from kvstrata.s3_server import LocalS3Server, weed_binary
