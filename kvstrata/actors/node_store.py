@@ -43,7 +43,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 from kvstrata.actors.chunk_audit import ChunkAudit
@@ -76,7 +76,11 @@ class NodeStore(StoreControl):
         config: KvstrataConfig | Mapping[str, Any] | None,
         node_id: str,
         clock: Callable[[], float] = time.monotonic,
+        executors: Callable[[int, str], Executor] | None = None,
     ):
+        """`executors(threads, name)` builds the pools background jobs run on (default:
+        threads); the deterministic simulation (`kvstrata.sim`) passes pools it runs itself."""
+        self._executors = executors or _thread_pool
         self.config = load_config(resolve_secrets(config))  # credentials come by the cluster's KV store
         self.node_id = node_id
         cpu = self.config.tiers.cpu
@@ -131,12 +135,12 @@ class NodeStore(StoreControl):
             self.object = ObjectTier(self.config.tiers.object, clock=clock, quotas=self.config.tier_quotas("object"))
             self.object.reuse_of = self._reuse.estimate if self._reuse is not None else None  # sweeps spare reused chunks
             # Batches queue here; each fans out over the tier's own max_concurrency threads.
-            self._object_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-object-jobs")
+            self._object_io = self._executors(2, "kvstrata-object-jobs")
         self.peers = None
         self._peer_io = None
         if self.config.cluster is not None and _in_ray():
             self.peers = PeerSync(node_id, self.config.cluster, lambda: dict(self._logs), directory_shard).start()
-            self._peer_io = ThreadPoolExecutor(2, thread_name_prefix="kvstrata-peer-fetch")
+            self._peer_io = self._executors(2, "kvstrata-peer-fetch")
         self._metrics = None
         if in_ray_actor():
             freeze_startup_heap()
@@ -174,7 +178,7 @@ class NodeStore(StoreControl):
             self.disk.reuse_of = self._reuse.estimate
         for namespace in self.disk.namespaces():
             self._log(namespace).record_many(self.disk.keys(namespace), STORAGE, True)
-        self._io = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="kvstrata-disk")
+        self._io = self._executors(disk.io_threads, "kvstrata-disk")
 
     # --- tools and tests (never on an engine's hot path) --------------------------------
 
@@ -261,6 +265,10 @@ class NodeStore(StoreControl):
         with self._lock:
             self.arena.close()
         logger.info("kvstrata node store on node %s closed", self.node_id)
+
+
+def _thread_pool(threads: int, name: str) -> Executor:
+    return ThreadPoolExecutor(threads, thread_name_prefix=name)
 
 
 def freeze_startup_heap() -> None:

@@ -74,7 +74,10 @@ class StrataManager(PinsAndSlots):
         enable_events: bool = False,
         clock: Callable[[], float] = time.monotonic,
         async_scheduling: bool = False,
+        channel: Callable[..., ControlChannel] = ControlChannel,
     ):
+        """`channel`: builds the control channel (the thread that calls the store); the
+        deterministic simulation (`kvstrata.sim`) passes one it drives itself."""
         ManagerState.__init__(self, client, layout, config, holder, enable_events, clock, async_scheduling)
 
         asked = clock()
@@ -89,7 +92,7 @@ class StrataManager(PinsAndSlots):
             len(self._mirror),
             registration.node_id,
         )
-        self._channel = ControlChannel(
+        self._channel = channel(
             send=client.step,
             on_reply=self._receive_reply,
             on_failure=self._receive_failure,
