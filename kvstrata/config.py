@@ -249,6 +249,13 @@ class EngineConfig(_Strict):
         description="longest a request waits (RETRY) for its chunks to be located or promoted "
         "before its lookups answer MISS and it recomputes",
     )
+    view_wait_steps: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="longest a request waits, in this engine's own scheduler steps, for a store that has "
+        "not answered since (a fresher view, a pin): then it is answered from what the engine knows",
+    )
     copy_threads: int = Field(
         default=2,
         ge=1,

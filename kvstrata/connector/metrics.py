@@ -33,6 +33,10 @@ COUNTER_NAMES = {
     "loads_skipped_object": "Chunks in the object store recomputed because loading them was slower (admission.load).",
     "chunks_probed": "Lower-tier chunks promoted in the background, no request waiting, to measure a tier whose "
     "estimate went stale while it still said recompute (admission.load).",
+    "lookups_store_silent": "Lookups answered MISS after view_wait_steps of the engine's steps waiting on a store "
+    "that did not answer meanwhile.",
+    "lease_unproven": "Chunks not stored because the engine's last answer from the store was older than half a "
+    "lease (its reserved slots may have gone to another engine).",
 }
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",

@@ -67,9 +67,6 @@ class SimChannel:
     def submit(self, request: StepRequest) -> None:
         self.outbox.submit(request)
 
-    def amend(self, request: StepRequest) -> bool:
-        return self.outbox.amend(request)
-
     def busy(self) -> bool:
         return self.awaiting is not None or self.outbox.busy()
 

@@ -63,6 +63,7 @@ class Copy:
     path: str  # the pool's segment path template: which arena
     deadline_step: int  # lands before the engine's step of this number
     generation: int  # the bytes a store writes: the namespace's generation when prepared
+    prepared_at: float = 0.0
     reported: bool = True  # False once a reset made vLLM forget the job (no completion)
     landed: bool = False
 
@@ -227,7 +228,7 @@ class SimEngine:
     def _copy(self, kind: str, req: Request, keys: list[bytes], slots: list[int], geometry, deadline: int) -> None:
         copy = Copy(
             self.world.next_copy_id(), self.index, kind, req, keys, slots, self.manager._epoch,
-            geometry.path_template, deadline, self.world.generation,
+            geometry.path_template, deadline, self.world.generation, self.world.clock(),
         )  # fmt: skip
         self.copies[copy.id] = copy
         self.world.copies[copy.id] = copy

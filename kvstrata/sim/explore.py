@@ -70,18 +70,21 @@ class Explorer:
             options.append((0.02, lambda e=e: ("crash", e)))
             options.append((0.08, lambda e=e: ("reset", e)))
             options.append((0.05, lambda e=e: ("lose_registration", e)))
+        duplicable = set()
         for call in world.calls.values():
-            e, r = call.engine, rng.randrange(1 << 16)
+            e = call.engine
             if call.state == PENDING:
-                options.append((8.0 if call.awaited else 2.0, lambda e=e, r=r: ("deliver", e, r)))
+                options.append((8.0 if call.awaited else 1.0, lambda e=e: ("deliver", e, rng.randrange(1 << 16))))
                 if call.awaited:
-                    options.append((0.4, lambda e=e, r=r: ("timeout", e, r)))
-                    options.append((0.2, lambda e=e, r=r: ("fail", e, r)))
+                    options.append((0.4, lambda e=e: ("timeout", e, rng.randrange(1 << 16))))
+                    options.append((0.2, lambda e=e: ("fail", e, rng.randrange(1 << 16))))
             elif call.state == DELIVERED and call.awaited:
-                options.append((8.0, lambda e=e, r=r: ("answer", e, r)))
-                options.append((0.4, lambda e=e, r=r: ("lose", e, r)))
-            elif call.deliveries:
-                options.append((0.05, lambda e=e, r=r: ("duplicate", e, r)))
+                options.append((8.0, lambda e=e: ("answer", e, rng.randrange(1 << 16))))
+                options.append((0.4, lambda e=e: ("lose", e, rng.randrange(1 << 16))))
+            if call.deliveries:
+                duplicable.add(e)
+        for e in duplicable:
+            options.append((0.2, lambda e=e: ("duplicate", e, rng.randrange(1 << 16))))
         if world.jobs.pending:
             options.append((2.0 + len(world.jobs.pending), lambda: ("job", rng.randrange(1 << 16))))
         options.append((6.0, lambda: ("tick", rng.choice((1, 2, 5, 10, 20, 50)))))
@@ -158,16 +161,33 @@ def same_failure(first: str, other: list[str]) -> bool:
 
 
 def shrink(config: SimConfig, actions: list[Action], violation: str, budget_s: float = 60.0) -> list[Action]:
-    """A shorter list of actions that still fails the same way (ddmin over the list)."""
+    """A shorter list of actions that still fails the same way: first whole kinds of
+    actions go (every tick, every duplicate, ...), then every action of one engine, then
+    delta debugging over what is left (drop halves, quarters, ... while it still fails)."""
     deadline = time.perf_counter() + budget_s
+
+    def fails(candidate: list[Action]) -> bool:
+        return same_failure(violation, replay(config, candidate))
+
     current = list(actions)
+    groups: list[Callable[[Action], bool]] = []
+    for name in sorted({action[0] for action in current}, key=lambda n: -sum(a[0] == n for a in current)):
+        groups.append(lambda action, name=name: action[0] == name)
+    for e in range(config.engines):
+        groups.append(lambda action, e=e: len(action) > 1 and action[0] not in ("job", "tick", "stall", "crowd") and action[1] == e)
+    for drop in groups:
+        if time.perf_counter() > deadline:
+            return current
+        candidate = [action for action in current if not drop(action)]
+        if len(candidate) < len(current) and fails(candidate):
+            current = candidate
     chunks = 2
     while len(current) >= 2 and time.perf_counter() < deadline:
         size = max(1, len(current) // chunks)
         reduced = False
-        for start in range(0, len(current), size):
+        for start in range(len(current) - size, -1, -size):  # from the end: the start builds state
             candidate = current[:start] + current[start + size :]
-            if same_failure(violation, replay(config, candidate)):
+            if fails(candidate):
                 current, reduced = candidate, True
                 chunks = max(chunks - 1, 2)
                 break

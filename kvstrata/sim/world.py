@@ -36,6 +36,8 @@ from kvstrata.tiers.records import HEADER_BYTES
 
 SLOT = 4096
 CROWD = "sim-crowd"  # the holder of `act_crowd`'s slots
+COPY_SECONDS = 0.25  # a worker's copy lands at most this long after it was prepared
+KEEP_DONE_CALLS = 3  # answered calls kept per engine, that the store may be made to apply again
 NAMESPACE_MODEL = "sim-model"
 
 
@@ -107,6 +109,8 @@ class World:
         self.violations: list[str] = []
         self.stalls: list[Stall] = []
         self.crashed: dict[str, float] = {}  # holder of a crashed engine -> when
+        self.heard: dict[str, float] = {}  # holder -> when the store last got a call of it
+        self.served_at = self.clock()  # when the store last ran a call (leases expire at calls)
         self.purges: list[PurgeWatch] = []
         self.unknown_since: dict[tuple[str, int], float] = {}  # (holder, slot) its engine does not know of
         self.arenas: dict[str, Arena] = {}  # arena epoch -> arena (dead stores' too: old loads read them)
@@ -256,8 +260,16 @@ class World:
         return True
 
     def act_tick(self, ms: float) -> bool:
-        self.clock.advance(ms / 1000)
+        self.advance_to(self.clock() + ms / 1000)
         return True
+
+    def advance_to(self, when: float) -> None:
+        """Move the clock on; a worker's copy lands within `COPY_SECONDS` of being prepared
+        (the assumption rule 3 rests on: well within half a lease), so those due land first."""
+        for copy in sorted(self.copies.values(), key=lambda c: c.prepared_at):
+            if copy.prepared_at + COPY_SECONDS <= when and self.engines[copy.engine].alive:
+                self.land(copy)
+        self.clock.at_least(when)
 
     def act_send(self, e: int) -> bool:
         engine = self._engine(e)
@@ -288,6 +300,7 @@ class World:
 
     def _deliver(self, call: Call) -> None:
         call.deliveries += 1
+        self.heard[call.request.holder] = self.clock()
         before = set(self.jobs.pending)
         try:
             reply = self.store.step(call.request)
@@ -295,16 +308,27 @@ class World:
             call.error = exc
             reply = None
         call.reply = reply if call.reply is None else call.reply
+        self.served_at = self.clock()
         if call.request.purge:
             self.purges.append(PurgeWatch(self.clock(), before, self.generation))
         if call.state == PENDING:
-            call.state = DELIVERED if call.awaited else DONE
+            if call.awaited:
+                call.state = DELIVERED
+            else:
+                self._done(call)
+
+    def _done(self, call: Call) -> None:
+        """The call is over for its channel; only the last few of an engine stay (for duplicates)."""
+        call.state = DONE
+        done = [c.id for c in self.calls.values() if c.engine == call.engine and c.state == DONE]
+        for old in done[:-KEEP_DONE_CALLS]:
+            del self.calls[old]
 
     def act_answer(self, e: int, r: int) -> bool:
         call = self._call(e, r, (DELIVERED,), True)
         if call is None:
             return False
-        call.state = DONE
+        self._done(call)
         engine = self.engines[call.engine]
         if call.error is not None:
             engine.channel.failed(call, call.error)
@@ -318,8 +342,8 @@ class World:
         call = self._call(e, r, (DELIVERED,), True)
         if call is None:
             return False
-        call.state = DONE
-        self.clock.at_least(call.sent_at + self.config.control_timeout_seconds)
+        self._done(call)
+        self.advance_to(call.sent_at + self.config.control_timeout_seconds)
         self.engines[call.engine].channel.failed(call, TimeoutError("simulated: answer lost"))
         return True
 
@@ -328,7 +352,7 @@ class World:
         call = self._call(e, r, (PENDING,), True)
         if call is None:
             return False
-        self.clock.at_least(call.sent_at + self.config.control_timeout_seconds)
+        self.advance_to(call.sent_at + self.config.control_timeout_seconds)
         self.engines[call.engine].channel.failed(call, TimeoutError("simulated: no answer in time"))
         return True
 
@@ -337,7 +361,7 @@ class World:
         call = self._call(e, r, (PENDING,), True)
         if call is None:
             return False
-        call.state = DONE
+        self._done(call)
         self.engines[call.engine].channel.failed(call, ConnectionError("simulated: store unreachable"))
         return True
 
@@ -413,10 +437,10 @@ class World:
         self.stalls.append(Stall(self.clock(), ms / 1000))
         serving = getattr(self.store, "_serving", None)
         if serving is None:
-            self.clock.advance(ms / 1000)
+            self.advance_to(self.clock() + ms / 1000)
         else:
             with serving():
-                self.clock.advance(ms / 1000)
+                self.advance_to(self.clock() + ms / 1000)
         return True
 
     def act_restart(self) -> bool:
@@ -444,6 +468,7 @@ class World:
             for slot in slots:
                 pool.view(slot)[:] = 0xEE
             pool.release(CROWD, slots)
+        self.served_at = self.clock()
         return True
 
     def act_lose_registration(self, e: int) -> bool:
