@@ -4,8 +4,8 @@ In production `ControlChannel` runs a thread that sends the manager's requests t
 store, one call at a time. Here the manager gets a `SimChannel` instead (its `channel`
 seam): the manager's side is the same (`submit`, `busy`, `wait_idle`, `close`), what to
 send next and what a failure means are decided by the same `Outbox` the thread uses, and
-every moment of a call is an action the simulation's scheduler picks: the channel sends
-(`World.send`), the store applies the call (`deliver`, possibly long after the channel gave
+every moment of a call is an action the simulation's scheduler picks (`World.act_*`): the
+channel sends (`send`), the store applies the call (`deliver`, possibly long after the channel gave
 up on it, possibly twice), its answer returns (`answer`) or is lost (`lose`), the channel
 gives up waiting (`timeout`), or the call fails at once (`fail`).
 

@@ -181,22 +181,21 @@ def shrink(config: SimConfig, actions: list[Action], violation: str, budget_s: f
         candidate = [action for action in current if not drop(action)]
         if len(candidate) < len(current) and fails(candidate):
             current = candidate
-    chunks = 2
-    while len(current) >= 2 and time.perf_counter() < deadline:
-        size = max(1, len(current) // chunks)
-        reduced = False
-        for start in range(len(current) - size, -1, -size):  # from the end: the start builds state
-            candidate = current[:start] + current[start + size :]
+    size = max(1, len(current) // 2)
+    while time.perf_counter() < deadline:
+        # One sweep from the end (the start builds the state the end needs), dropping
+        # every run of `size` actions the failure does not need; then finer runs.
+        removed = False
+        end = len(current)
+        while end > 0 and time.perf_counter() < deadline:
+            start = max(0, end - size)
+            candidate = current[:start] + current[end:]
             if fails(candidate):
-                current, reduced = candidate, True
-                chunks = max(chunks - 1, 2)
-                break
-            if time.perf_counter() > deadline:
-                break
-        if not reduced:
-            if size == 1:
-                break
-            chunks = min(len(current), chunks * 2)
+                current, removed = candidate, True
+            end = start
+        if size == 1 and not removed:
+            break
+        size = max(1, size // 2)
     return current
 
 

@@ -18,19 +18,18 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.keys import Layout, make_key
+from kvstrata.sim import invariants
 from kvstrata.sim.channel import DELIVERED, DONE, PENDING, Call
 from kvstrata.sim.engine import Copy, SimEngine
 from kvstrata.sim.executors import InlineExecutor, JobQueue, SimExecutor
-from kvstrata.sim import invariants
 from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.records import HEADER_BYTES
 
@@ -485,6 +484,3 @@ class World:
 
     def stall_seconds_since(self, since: float) -> float:
         return sum(stall.seconds for stall in self.stalls if stall.at + stall.seconds >= since)
-
-    def heartbeat_request(self, engine: SimEngine) -> StepRequest:
-        return engine.manager._heartbeat_request()

@@ -14,7 +14,7 @@ from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager
-from tests.connector.harness import step
+from tests.connector.harness import HangingClient, step
 from tests.utils import FakeClock, key, layout, store_config
 
 SLOT = 4096
@@ -269,19 +269,6 @@ def test_an_idle_engine_finds_chunks_stored_while_it_was_idle(store_and_config, 
     calls = reader._channel.calls
     assert reader.lookup(key(2), ctx("late")) is MISS
     assert reader._channel.calls == calls
-
-
-class HangingClient(LocalStoreClient):
-    """A store that stops answering until released (a wedged actor, a partitioned node)."""
-
-    def __init__(self, store):
-        super().__init__(store)
-        self.release = threading.Event()
-        self.release.set()
-
-    def step(self, request):
-        assert self.release.wait(30)
-        return super().step(request)
 
 
 def test_a_request_waits_at_most_lookup_wait_seconds(store_and_config, clock):
