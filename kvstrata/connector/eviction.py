@@ -69,5 +69,8 @@ class EvictionOrder(ManagerState):
             del self._pinned[key]
             if not pin.recorded:
                 self._to_hold.remove((key, pin.slot))  # never sent: nothing to undo for it
-            if pin.epoch == self._epoch:
-                self._out_unpin.extend([pin.slot] * pin.grants)  # one unpin per pin the store holds
+            if pin.epoch == self._epoch:  # one unpin per pin the store holds (most hold one)
+                if pin.grants == 1:
+                    self._out_unpin.append(pin.slot)
+                elif pin.grants:
+                    self._out_unpin.extend([pin.slot] * pin.grants)

@@ -103,7 +103,7 @@ class ReplyInbox(ManagerState):
             requests, promoted_for = set(), NOBODY
         if hit_by is not None:
             requests.add(hit_by)
-        pin = Pin(slot, self._epoch, requests, 0, promoted_from, promoted_for, recorded, int(recorded))  # (hot path)
+        pin = Pin(slot, self._epoch, requests, 0, promoted_from, promoted_for, recorded, 1 if recorded else 0)  # (hot path)
         self._pinned[key] = pin
         if not requests:
             self._maybe_idle[key] = None
