@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 # Layout fields that steer policy or describe, not bytes: kept out of the namespace
@@ -94,14 +95,27 @@ class Layout:
     @property
     def namespace(self) -> str:
         """Stable digest of the layout; also part of file and object names."""
-        ignored = POLICY_FIELDS + (("model",) if self.model_identity else ("model_identity",))
-        fields = {name: value for name, value in asdict(self).items() if name not in ignored}
-        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-        digest = hashlib.blake2b(canonical.encode(), digest_size=10).hexdigest()
-        return digest
+        return namespace_of(asdict(self))
 
     def describe(self) -> dict[str, object]:
         described = {"namespace": self.namespace, "slot_bytes": self.slot_bytes, **asdict(self)}
         if self.model_identity:
             described["identity"] = self.model_identity[:12]
         return described
+
+
+# What `Layout.describe` adds to the layout's fields (left out of the digest, as the policy fields are).
+DESCRIBED_EXTRAS = ("namespace", "slot_bytes", "identity")
+
+
+def namespace_of(fields: Mapping[str, object]) -> str:
+    """The namespace of a layout's fields (`asdict(layout)`, or `describe()` as an engine sends
+    it): a digest of every field but the policy fields and what `describe` adds, and of the
+    model's identity instead of its name when there is one. A store checks a registration's
+    layout with it (actors/registration_check.py): over the fields the engine sent, so an
+    engine of another kvstrata version with a field more or less still digests its own way.
+    """
+    ignored = POLICY_FIELDS + DESCRIBED_EXTRAS + (("model",) if fields.get("model_identity") else ("model_identity",))
+    kept = {name: value for name, value in fields.items() if name not in ignored}
+    canonical = json.dumps(kept, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=10).hexdigest()

@@ -142,7 +142,7 @@ def test_engines_get_the_aggregate_only_and_status_lists_each_peer(cluster):
     pool = store.arena.pools[NS]
     for batch in (list(data)[30:33], list(data)[33:38]):  # two promotions: the aggregate `peer`
         hold(store, "b-fast", batch)
-        store._peer_promote_job(NS, pool, list(zip(batch, pool.reserve(PROMOTE, len(batch)))))
+        store._peer_promote_job(NS, pool, list(zip(batch, pool.reserve(PROMOTE, len(batch)))), store._generation(NS))
     assert store.counters["peer_promotions"] == 8
     payload = store._tier_costs()  # what rides on every step reply
     assert set(payload) == {"peer"}

@@ -11,7 +11,10 @@ Owns: the holders `CASCADE` and `UPLOAD`, the counts of copies in flight
 eviction hook (`_attach_write_back`).
 Invariants: every slot a copy pins is unpinned exactly once, by its job or at once when
 the copy is dropped; a job's unpin takes the store lock, so it comes after the pin taken
-when the eviction hook returns. Records OBJECT presence only for uploads that landed.
+when the eviction hook returns. Records OBJECT presence only for uploads that landed, and
+only if their namespace was not purged since they were queued; a copy queued before a
+purge writes nothing to disk (purge.py). A namespace kept to its node
+(registration_check.py) is never uploaded.
 Must not: read from the tiers into the arena (promotion.py) or decide what the object
 store holds beyond its own uploads (object_index.py).
 """
@@ -19,9 +22,12 @@ store holds beyond its own uploads (object_index.py).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from kvstrata.actors.admission import ReuseAdmission
 from kvstrata.actors.disk_jobs import submit_disk_jobs
+from kvstrata.actors.purge import Purge
+from kvstrata.actors.registration_check import shared_across_nodes
 from kvstrata.actors.store_state import logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.changelog import OBJECT
@@ -31,7 +37,7 @@ CASCADE = "kvstrata:cascade"
 UPLOAD = "kvstrata:upload"
 
 
-class Cascade(ReuseAdmission):
+class Cascade(ReuseAdmission, Purge):
     """Mixin of `NodeStore`: disk writes and object uploads of arena chunks."""
 
     def _init_cascade(self) -> None:
@@ -113,14 +119,17 @@ class Cascade(ReuseAdmission):
         self._writes_pending += len(accepted)
         self.counters["disk_writes_queued"] += len(accepted)
         # Consecutive commits tend to get neighbouring disk records: one pwritev per run.
-        submit_disk_jobs(self._io, disk_config.io_threads, self._write_job, namespace, pool, accepted)
+        # The disk tier writes nothing if the namespace is purged before a job lands (purge.py).
+        job = partial(self._write_job, generation=self.disk.generation(namespace))
+        submit_disk_jobs(self._io, disk_config.io_threads, job, namespace, pool, accepted)
         return len(accepted)
 
-    def _write_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+    def _write_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], generation: int) -> None:
         started = time.perf_counter()
         try:
             # The slots are pinned by the cascade: their bytes are stable while we write.
-            written = sum(self.disk.write_many(namespace, [(key, pool.view(slot)) for key, slot in items]))
+            chunks = [(key, pool.view(slot)) for key, slot in items]
+            written = sum(self.disk.write_many(namespace, chunks, generation=generation))
             self.io_meter.record("disk", "write", written * pool.geometry.slot_bytes, written, time.perf_counter() - started)
         except Exception:  # noqa: BLE001 - a failed cascade is a lost copy, never a dead store
             logger.exception("kvstrata node store: disk write of %d chunks failed", len(items))
@@ -133,7 +142,13 @@ class Cascade(ReuseAdmission):
     def _queue_uploads(
         self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], pinned: bool = True
     ) -> int:
-        """Queue uploads of slots pinned for UPLOAD; the same drop-never-block rule as disk writes."""
+        """Queue uploads of slots pinned for UPLOAD; the same drop-never-block rule as disk writes.
+        A namespace kept to this node (registration_check.py: a non-cryptographic block hash)
+        uploads nothing."""
+        if not shared_across_nodes(self.layouts.get(namespace)):
+            if pinned:
+                pool.unpin(UPLOAD, [slot for _, slot in items])
+            return 0
         log = self._log(namespace)
         accepted: list[tuple[bytes, int]] = []
         for key, slot in items:
@@ -151,22 +166,30 @@ class Cascade(ReuseAdmission):
         if accepted:
             self._uploads_pending += len(accepted)
             self.counters["object_uploads_queued"] += len(accepted)
-            self._object_io.submit(self._upload_job, namespace, pool, accepted)
+            generation = self._generation(namespace)
+            self._upload_queued(namespace, generation)  # a purge of the bucket waits for it (purge.py)
+            self._object_io.submit(self._upload_job, namespace, pool, accepted, generation)
         return len(accepted)
 
-    def _upload_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]]) -> None:
+    def _upload_job(self, namespace: str, pool: SlotPool, items: list[tuple[bytes, int]], generation: int) -> None:
+        """Upload a batch and record what landed, unless its namespace was purged since it
+        was queued (then the bucket's purge, which waits for this job, deletes it)."""
         started = time.perf_counter()
+        ok = [False] * len(items)
+        with self._lock:
+            purged = self._purged_since(namespace, generation)
         try:
-            ok = self.object.put_many(namespace, [(key, pool.view(slot)) for key, slot in items])
+            if not purged:
+                ok = self.object.put_many(namespace, [(key, pool.view(slot)) for key, slot in items])
         except Exception:  # noqa: BLE001 - a failed upload is a lost copy, never a dead store
             logger.exception("kvstrata node store: upload of %d chunks failed", len(items))
-            ok = [False] * len(items)
         self.io_meter.record("object", "write", sum(ok) * pool.geometry.slot_bytes, sum(ok), time.perf_counter() - started)
-        log = self._log(namespace)
-        for (key, _), uploaded in zip(items, ok):
-            if uploaded:
-                log.record(key, OBJECT, True)
         with self._lock:
+            if self._purged_since(namespace, generation):
+                self.counters["object_uploads_purged"] += len(items)
+            else:
+                self._log(namespace).record_many([key for (key, _), uploaded in zip(items, ok) if uploaded], OBJECT, True)
             self._uploads_pending -= len(items)
             pool.unpin(UPLOAD, [slot for _, slot in items])
+            self._upload_ended(namespace, generation)
             self._io_done.notify_all()

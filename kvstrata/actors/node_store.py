@@ -43,11 +43,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 from kvstrata.actors.chunk_audit import ChunkAudit
 from kvstrata.actors.directory import directory_shard
+from kvstrata.actors.executors import ExecutorFactory, thread_pools
 from kvstrata.actors.io_meter import IoMeter
 from kvstrata.actors.local_client import LocalStoreClient
 from kvstrata.actors.options import in_ray_actor, node_tag
@@ -61,8 +61,9 @@ from kvstrata.config import KvstrataConfig, load_config
 from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.changelog import CPU, STORAGE
-from kvstrata.tiers.disk import DiskTier, DiskTierError
+from kvstrata.tiers.disk import DIGEST_THREADS, DiskTier, DiskTierError
 from kvstrata.tiers.object_store import ObjectTier
+from kvstrata.url_credentials import redact_url
 
 # What tests, benchmarks and `client` import from here.
 __all__ = ["LocalStoreClient", "NodeStore", "freeze_startup_heap"]
@@ -76,11 +77,8 @@ class NodeStore(StoreControl):
         config: KvstrataConfig | Mapping[str, Any] | None,
         node_id: str,
         clock: Callable[[], float] = time.monotonic,
-        executors: Callable[[int, str], Executor] | None = None,
+        executors: ExecutorFactory = thread_pools,
     ):
-        """`executors(threads, name)` builds the pools background jobs run on (default:
-        threads); the deterministic simulation (`kvstrata.sim`) passes pools it runs itself."""
-        self._executors = executors or _thread_pool
         self.config = load_config(resolve_secrets(config))  # credentials come by the cluster's KV store
         self.node_id = node_id
         cpu = self.config.tiers.cpu
@@ -119,10 +117,12 @@ class NodeStore(StoreControl):
         self.io_meter = IoMeter(clock)
         self.audit = ChunkAudit() if cpu.audit_chunks else None
         self._clock = clock
+        self._executors = executors  # where background jobs run (executors.py: the seam tests replace)
         # Each part's own state (see its module).
         self._init_cascade()
         self._init_object_index()
         self._init_promotion()
+        self._init_purge()
         # Notified whenever I/O in flight ends, so `wait_io` returns the moment the last
         # job does (polling added up to a poll interval to every measurement).
         self._io_done = threading.Condition(self._lock)
@@ -136,12 +136,12 @@ class NodeStore(StoreControl):
             self.object = ObjectTier(self.config.tiers.object, clock=clock, quotas=self.config.tier_quotas("object"))
             self.object.reuse_of = self._reuse.estimate if self._reuse is not None else None  # sweeps spare reused chunks
             # Batches queue here; each fans out over the tier's own max_concurrency threads.
-            self._object_io = self._executors(2, "kvstrata-object-jobs")
+            self._object_io = executors("object", 2)
         self.peers = None
         self._peer_io = None
         if self.config.cluster is not None and _in_ray():
             self.peers = PeerSync(node_id, self.config.cluster, lambda: dict(self._logs), directory_shard).start()
-            self._peer_io = self._executors(2, "kvstrata-peer-fetch")
+            self._peer_io = executors("peer", 2)
         self._metrics = None
         if in_ray_actor():
             freeze_startup_heap()
@@ -153,7 +153,7 @@ class NodeStore(StoreControl):
             self.arena.epoch,
             cpu.capacity,
             self.config.tiers.disk.path if self.disk else "off",
-            self.config.tiers.object.url if self.object else "off",
+            redact_url(self.config.tiers.object.url) if self.object else "off",
             "on" if self.peers else "off",
         )
 
@@ -169,6 +169,7 @@ class NodeStore(StoreControl):
                 eviction_policy=self.config.tiers.cpu.eviction_policy,
                 on_change=lambda namespace, keys, present: self._log(namespace).record_many(keys, STORAGE, present),
                 quotas=self.config.tier_quotas("disk"),
+                digests=self._executors("disk-digest", DIGEST_THREADS),
             )
         except Exception as exc:  # noqa: BLE001 - DiskTierError, or whatever a damaged directory raised
             # The engine keeps serving from the arena; the operator sees why in the log and stats.
@@ -179,7 +180,7 @@ class NodeStore(StoreControl):
             self.disk.reuse_of = self._reuse.estimate
         for namespace in self.disk.namespaces():
             self._log(namespace).record_many(self.disk.keys(namespace), STORAGE, True)
-        self._io = self._executors(disk.io_threads, "kvstrata-disk")
+        self._io = self._executors("disk", disk.io_threads)
 
     # --- tools and tests (never on an engine's hot path) --------------------------------
 
@@ -240,10 +241,12 @@ class NodeStore(StoreControl):
             }
 
     def wait_io(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no disk write or promotion is in flight (tests, tools, benchmarks)."""
+        """Wait until no disk write, promotion, upload, sweep or bucket purge is in flight (tests, tools, benchmarks)."""
         with self._io_done:
             return self._io_done.wait_for(
-                lambda: not (self._writes_pending or self._promoting or self._uploads_pending or self._scanning),
+                lambda: not (
+                    self._writes_pending or self._promoting or self._uploads_pending or self._scanning or self._purges_pending()
+                ),
                 timeout_s,
             )
 
@@ -266,10 +269,6 @@ class NodeStore(StoreControl):
         with self._lock:
             self.arena.close()
         logger.info("kvstrata node store on node %s closed", self.node_id)
-
-
-def _thread_pool(threads: int, name: str) -> Executor:
-    return ThreadPoolExecutor(threads, thread_name_prefix=name)
 
 
 def freeze_startup_heap() -> None:

@@ -10,17 +10,19 @@ namespace counts as indexed.
 Invariants: one sweep at a time, on the object I/O pool; the sweep covers every
 namespace that has a change log when it starts, and records OBJECT presence only as
 changes against a snapshot taken before the listing (an upload that lands meanwhile is
-not "gone"). A failed listing still marks its namespaces swept.
+not "gone"), and only for namespaces neither purged since the snapshot nor being purged
+in the bucket when it was taken (purge.py). A failed listing still marks its namespaces swept.
 Must not: upload or download chunks (cascade.py, promotion.py).
 """
 
 from __future__ import annotations
 
-from kvstrata.actors.store_state import StoreState, logger
+from kvstrata.actors.purge import Purge
+from kvstrata.actors.store_state import logger
 from kvstrata.tiers.changelog import OBJECT
 
 
-class ObjectIndex(StoreState):
+class ObjectIndex(Purge):
     """Mixin of `NodeStore`: the periodic sweep of the object store."""
 
     def _init_object_index(self) -> None:
@@ -34,7 +36,10 @@ class ObjectIndex(StoreState):
 
         A namespace no sweep has covered yet (a new engine) gets one at once.
         """
-        if self.object is None or self._scanning:
+        if self.object is None:
+            return
+        self._retry_bucket_purges()  # purge.py: those that waited for the tier to answer
+        if self._scanning:
             return
         now = self._clock()
         if namespace in self._scanned and now - self._scanned_at < self.config.tiers.object.index_refresh_seconds:
@@ -48,6 +53,9 @@ class ObjectIndex(StoreState):
         with self._lock:
             # Snapshot before listing: an upload that lands meanwhile is not "gone".
             before = {namespace: set(log.present(OBJECT)) for namespace, log in self._logs.items()}
+            # A listing may show what a purge is deleting: such namespaces learn nothing from it.
+            generations = {namespace: self._generation(namespace) for namespace in before}
+            purging = self._bucket_busy()
         try:
             entries = self.object.scan()
             if entries is not None:
@@ -62,10 +70,12 @@ class ObjectIndex(StoreState):
                     listed[entry.namespace].add(entry.key)
             for namespace, keys in listed.items():
                 log = self._log(namespace)
-                for key in keys - before[namespace]:
-                    log.record(key, OBJECT, True)
-                for key in before[namespace] - keys:  # gone: swept, purged, a bucket lifecycle rule
-                    log.record(key, OBJECT, False)
+                with self._lock:
+                    if namespace in purging or self._purged_since(namespace, generations[namespace]):
+                        continue
+                    log.record_many(keys - before[namespace], OBJECT, True)
+                    # Gone: swept, purged, a bucket lifecycle rule.
+                    log.record_many(before[namespace] - keys, OBJECT, False)
         with self._lock:
             if entries is not None:
                 self._scanned = set(before)

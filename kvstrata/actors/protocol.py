@@ -14,7 +14,7 @@ requests exactly in the order the engine built them, whatever the calls' fates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -55,14 +55,10 @@ class StepRequest:
         )
 
     def merge(self, later: "StepRequest") -> "StepRequest":
-        """Combine two requests in order; slots of an older store epoch are dropped, and
-        commits followed by a purge (a reset) are released instead."""
+        """Combine two requests in order; slots of an older store epoch are dropped (the
+        store commits a request's commits before its purge: those sent with it are older)."""
         if later.epoch != self.epoch:
             return later
-        if later.purge and self.commit:
-            # The store purges before it commits; commits queued before a reset would
-            # outlive its purge: their slots go back instead.
-            return replace(self, commit=[], release=self.release + [slot for slot, _ in self.commit]).merge(later)
         return StepRequest(
             holder=self.holder,
             namespace=self.namespace,

@@ -3,8 +3,9 @@
 Why: Ray keeps an actor's constructor arguments for as long as the actor may restart, and
 tools that show actors (the dashboard's actor table) can show them. So whoever creates a
 store (`kvstrata up`, an engine, the reconciler, the Serve callback) calls `stash_secrets`:
-every secret-named entry of `tiers.object.storage_options` (`kvstrata.config.is_secret_option`)
-is put in the Ray cluster's internal key-value store (the GCS's, namespace `kvstrata`), and
+every secret-named entry of `tiers.object.storage_options` (`kvstrata.config.is_secret_option`),
+and the user info of `tiers.object.url` (`s3://user:password@host/...`), is put in the Ray
+cluster's internal key-value store (the GCS's, namespace `kvstrata`), and
 the actor gets the config with each such value replaced by a placeholder
 `kvstrata-secret:<digest>:<n>`. The store calls `resolve_secrets` when it starts.
 
@@ -33,19 +34,25 @@ from typing import Any
 
 from kvstrata.actors.options import STORE_NAMESPACE
 from kvstrata.config import KvstrataConfig, is_secret_option
+from kvstrata.url_credentials import url_userinfo
 
 PLACEHOLDER = "kvstrata-secret:"
 KV_PREFIX = "kvstrata/secrets/"
 
 
 def stash_secrets(config: KvstrataConfig) -> dict[str, Any]:
-    """The config as a dict for an actor's arguments, its credentials stashed in the cluster."""
+    """The config as a dict for an actor's arguments, its credentials stashed in the cluster:
+    secret-named `storage_options` and the user info of the object `url` (`s3://user:pass@...`),
+    which becomes `s3://<placeholder>@...` (still a URL, so the config still loads)."""
     dumped = config.model_dump()
     object_tier = dumped["tiers"].get("object")
     if not object_tier:
         return dumped
     found: list[Any] = []
     _replace(object_tier["storage_options"], lambda value: found.append(value) or len(found) - 1, digest="")
+    userinfo = url_userinfo(object_tier["url"])
+    if userinfo is not None and not _is_placeholder(userinfo):
+        found.append(userinfo)
     if not found:
         return dumped
     from ray.experimental import internal_kv
@@ -55,6 +62,8 @@ def stash_secrets(config: KvstrataConfig) -> dict[str, Any]:
     internal_kv._internal_kv_put(KV_PREFIX + digest, blob, overwrite=True, namespace=STORE_NAMESPACE)
     counter = iter(range(len(found)))
     _replace(object_tier["storage_options"], lambda value: next(counter), digest=digest)
+    if userinfo is not None and not _is_placeholder(userinfo):
+        object_tier["url"] = object_tier["url"].replace(f"{userinfo}@", f"{PLACEHOLDER}{digest}:{len(found) - 1}@", 1)
     return dumped
 
 
@@ -62,8 +71,11 @@ def resolve_secrets(config: Any) -> Any:
     """`config` with every placeholder replaced by its secret (unchanged if it has none)."""
     if not isinstance(config, Mapping):
         return config
-    options = ((config.get("tiers") or {}).get("object") or {}).get("storage_options")
-    if not _has_placeholder(options):
+    object_tier = (config.get("tiers") or {}).get("object") or {}
+    options = object_tier.get("storage_options")
+    in_url = url_userinfo(str(object_tier.get("url", "")))
+    in_url = in_url if _is_placeholder(in_url) else None
+    if not _has_placeholder(options) and in_url is None:
         return config
     from ray.experimental import internal_kv
 
@@ -82,7 +94,11 @@ def resolve_secrets(config: Any) -> Any:
             cache[digest] = json.loads(blob)
         return cache[digest][int(index)]
 
-    _substitute(resolved["tiers"]["object"]["storage_options"], secret)
+    resolved_tier = resolved["tiers"]["object"]
+    if options is not None:
+        _substitute(resolved_tier["storage_options"], secret)
+    if in_url is not None:
+        resolved_tier["url"] = resolved_tier["url"].replace(f"{in_url}@", f"{secret(in_url)}@", 1)
     return resolved
 
 

@@ -8,8 +8,8 @@ hold a lease that these calls renew, and a clean shutdown returns their holdings
 once (`release_holder`). Other nodes' stores fetch chunks with `export_chunks`.
 
 Owns: the engines' leases and holdings in the arena, the namespaces' pools and layouts,
-the cap on an engine's stock of reserved slots (`MAX_RESERVED_SHARE`), and purging a
-namespace from every tier.
+the cap on an engine's stock of reserved slots (`MAX_RESERVED_SHARE`); who may purge
+a namespace (purge.py purges it, after the step's commits).
 Invariants: `register` and `step` run under the store lock and first expire dead
 engines' leases; a registration binds its holder name to the engine that made it (the
 epoch it returns, the store's epoch and a token, must come with every step and the
@@ -46,10 +46,11 @@ from kvstrata.actors.cascade import Cascade
 from kvstrata.actors.object_index import ObjectIndex
 from kvstrata.actors.promotion import Promotion
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.actors.registration_check import check_registration
 from kvstrata.actors.store_state import logger
 from kvstrata.namespaces import check_holder, check_namespace, check_tenant
 from kvstrata.tiers.arena import SlotPool
-from kvstrata.tiers.changelog import CPU, OBJECT
+from kvstrata.tiers.changelog import CPU
 from kvstrata.tiers.records import chunk_digest
 
 # An engine's stock of free reserved slots is capped at this share of a pool: a larger
@@ -119,6 +120,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             check_tenant(layout.get("namespace_prefix", ""))
         with self._serving(), self._lock:
             self._expire()
+            check_registration(self, namespace, layout)  # registration_check.py: the layout is the namespace's
             bound = self._holders.get(holder)
             session = self._sessions.get(holder)
             if bound is not None and epoch != bound and not (nonce and session is not None and nonce == session.nonce):
@@ -204,6 +206,13 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 "kvstrata node store: %d HITs of %s lost their slot before their pin: %s",
                 len(refused), request.holder, refused[0],
             )  # fmt: skip
+        committed, rejected = pool.commit_many(request.holder, request.commit)
+        if self.audit is not None:
+            for key, slot in committed:
+                self.audit.committed(namespace, key, pool.view(slot))
+        if committed:
+            self._copy_commits(namespace, pool, committed)
+        # After the commits: those sent with a purge were stored before it (purge.py).
         purge_refused = []
         if request.purge and (request.holder, namespace) in self._registered:
             self._purge(namespace)
@@ -212,12 +221,6 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             # but one that never registered it names no namespace of its own).
             self.counters["purges_refused"] = self.counters.get("purges_refused", 0) + 1
             purge_refused.append(f"purge of {namespace} refused: {request.holder} has not registered it")
-        committed, rejected = pool.commit_many(request.holder, request.commit)
-        if self.audit is not None:
-            for key, slot in committed:
-                self.audit.committed(namespace, key, pool.view(slot))
-        if committed:
-            self._copy_commits(namespace, pool, committed)
         self._refresh_object_index(namespace)
         pool.release(request.holder, request.release)
         pool.unpin(request.holder, request.unpin)
@@ -380,15 +383,3 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             pool.reuse.seq = lambda: log.seq  # a retired slot waits for the log position of its removal
             self._attach_write_back(namespace, pool)
         return pool
-
-    def _purge(self, namespace: str) -> int:
-        pool = self.arena.pools.get(namespace)
-        removed = pool.purge() if pool is not None else 0
-        if self.disk is not None:
-            removed += sum(self.disk.remove(namespace, key) for key in self.disk.keys(namespace))
-        if self.object is not None:
-            log = self._log(namespace)
-            for key in log.present(OBJECT):
-                log.record(key, OBJECT, False)
-            self._object_io.submit(self.object.purge, namespace)
-        return removed

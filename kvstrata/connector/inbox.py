@@ -29,6 +29,7 @@ import logging
 from typing import Any
 
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.actors.registration_check import public_epoch
 from kvstrata.connector.compat import make_event
 from kvstrata.connector.manager_state import ManagerState, Pin
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
@@ -74,7 +75,7 @@ class ReplyInbox(ManagerState):
                 "kvstrata manager %s: node store restarted or this engine's lease ran out (now epoch %s); "
                 "dropping old pins and slots",
                 self.holder,
-                registration.epoch,
+                public_epoch(registration.epoch),  # the holder's token stays out of logs
             )
             self._receive(("reset", request, registration, sent_at))
             return True

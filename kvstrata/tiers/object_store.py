@@ -29,8 +29,7 @@ Invariants:
   between sweeps the bound can be exceeded by what was uploaded since the last one.
   Deletes are idempotent; with reuse weighing, each node deletes what its own sketch deems least reused.
   A tenant's quota (`quotas:`) is kept the same way, on that tenant's objects only.
-- Credentials come from `storage_options` or the standard chain and are never logged:
-  error texts are scrubbed of every credential value before they reach a log line.
+- Credentials (`storage_options`, the URL's user info, the standard chain) never reach a log line, an error or stats.
 
 No Ray and no vLLM in here; calls may come from several threads.
 """
@@ -62,6 +61,7 @@ from kvstrata.tiers.private_files import open_private_filesystem
 from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.records import HEADER_BYTES, record_matches, seal_header
 from kvstrata.tiers.reuse_eviction import ReuseOf, least_reused_first
+from kvstrata.url_credentials import url_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +182,8 @@ class ObjectTier:
         self.fs, self.root = filesystem or open_filesystem(config)
         self._clock = clock
         self._wall_clock = wall_clock
-        # Longest first, so a secret that contains another is scrubbed whole.
-        self._secrets = sorted(set(secret_values(config.storage_options)), key=len, reverse=True)
+        # Longest first, so a secret that contains another is scrubbed whole; the URL's own user info too.
+        self._secrets = sorted({*secret_values(config.storage_options), *url_credentials(config.url)}, key=len, reverse=True)
         # A hard deadline on every call of an async filesystem (s3fs): measured here, an
         # endpoint that accepts connections and never answers outlives botocore's read
         # timeout. fsspec's `sync` abandons the call after this many seconds.
@@ -380,8 +380,8 @@ class ObjectTier:
         manifest = json.loads(self.fs.cat_file(f"{self.namespace_dir(namespace)}/{MANIFEST}", **self._deadline))
         return str(manifest["layout"].get("namespace_prefix", ""))
 
-    def purge(self, namespace: str) -> int:
-        """Delete a namespace's chunks and manifest; returns how many chunks went.
+    def purge(self, namespace: str) -> int | None:
+        """Delete a namespace's chunks and manifest; how many chunks went (None: it failed).
 
         Only `<root>/<namespace>/`: an invalid namespace (empty, dotted, slash-bearing) is
         a ValueError before anything is listed or deleted."""
@@ -393,7 +393,7 @@ class ObjectTier:
             pass
         except Exception as exc:  # noqa: BLE001
             self._failed("purge", exc)
-            return 0
+            return None
         self.quotas.drop(namespace)
         return len(keys)
 

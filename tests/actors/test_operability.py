@@ -19,10 +19,11 @@ from kvstrata.actors.store_metrics import METRICS
 from kvstrata.config import load_config
 from kvstrata.testing import ChunkProbe
 from kvstrata.tiers.records import HEADER_BYTES
-from tests.utils import key, local_ray, store_config
+from tests.utils import key, layout, local_ray, store_config
 
 SLOT = 4096
-NAMESPACE = "ns-operability"
+LAYOUT = layout(model="tiny-llama", worker_bytes=SLOT)  # a store takes only a layout that digests to its namespace
+NAMESPACE = LAYOUT.namespace
 SCRAPE_SECONDS = 90  # Ray's agent exports every ~10 s; the store's exporter every 5 s
 
 
@@ -70,7 +71,7 @@ def value(samples, name: str, **labels: str) -> float | None:
 
 def test_store_metrics_reach_the_ray_metrics_port_with_the_store_figures(store, metrics_port):
     handle, cfg = store
-    probe = ChunkProbe("probe", NAMESPACE, SLOT, {"model": "tiny-llama"})
+    probe = ChunkProbe("probe", NAMESPACE, SLOT, LAYOUT.describe())
     keys = [key(i) for i in range(4)]
     written = probe.store_chunks(keys)
     loaded = probe.load_chunks(keys)
@@ -114,7 +115,7 @@ def test_status_prints_tables_of_tiers_namespaces_and_engines(store, capsys):
     from kvstrata.cli import main
 
     handle, _ = store
-    probe = ChunkProbe("engine-a", NAMESPACE, SLOT, {"model": "tiny-llama"})
+    probe = ChunkProbe("engine-a", NAMESPACE, SLOT, LAYOUT.describe())
     try:
         probe.store_chunks([key(7), key(8)])
         ray.get(probe.store.step.remote(_pin_request("engine-a", probe, [key(7)])))

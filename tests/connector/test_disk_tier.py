@@ -237,11 +237,11 @@ def test_a_full_write_queue_drops_disk_writes_without_blocking(env):
     seen_commits_returned = []
     real_write_many = store.disk.write_many
 
-    def slow_write_many(namespace, items):
+    def slow_write_many(namespace, items, **kwargs):
         entered.set()
         release.wait(10)  # bounded: a write the commits waited for sees them not returned
         seen_commits_returned.append(commits_returned.is_set())
-        return real_write_many(namespace, items)
+        return real_write_many(namespace, items, **kwargs)
 
     store.disk.write_many = slow_write_many
     manager = make_manager(store, cfg)
@@ -292,9 +292,9 @@ def test_a_large_cascade_and_its_promotion_go_to_disk_in_bounded_jobs(env, monke
     for name in ("write_many", "start_reads"):
         real = getattr(store.disk, name)
 
-        def counted(namespace, items, real=real, name=name):
+        def counted(namespace, items, real=real, name=name, **kwargs):
             calls.append((name, len(items)))
-            return real(namespace, items)
+            return real(namespace, items, **kwargs)
 
         monkeypatch.setattr(store.disk, name, counted)
     epoch = store.register("bulk", "ns", SLOT).epoch

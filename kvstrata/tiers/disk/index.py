@@ -1,8 +1,9 @@
 """The disk tier's index: which chunk is in which record, allocation, eviction and recovery.
 
 Owns: the open slabs of each namespace and, in each, the key of every record, the free
-records, the records with an I/O in flight (`busy`) and the eviction order; the disk
-bytes allocated against `capacity`; the tier's counters; the announcements of index
+records, the records with an I/O in flight (`busy`), the keys being written (`writing`)
+and the eviction order; each namespace's purge generation and the purged slabs whose I/O
+is still in flight (closed when it ends); the disk bytes allocated against `capacity`; the tier's counters; the announcements of index
 changes (`on_change`); rebuilding all of it from the header files at start-up.
 
 Invariants:
@@ -87,6 +88,9 @@ class SlabIndex:
         self._lock = threading.Lock()
         self._slabs: dict[str, _Slab] = {}
         self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
+        self._generations: dict[str, int] = {}  # namespace -> purges so far (`DiskTier.purge`)
+        self._retired: list[_Slab] = []  # purged slabs with I/O still in flight
+        self._closing: list[_Slab] = []  # purged slabs with none, for `close_purged`
         self._allocated = 0
         # Allocated bytes per tenant: a slab at its tenant's quota evicts its own records.
         self.quotas = TenantQuotas(quotas)
@@ -102,6 +106,9 @@ class SlabIndex:
             "write_recoveries": 0,  # failed writes, then a batch that worked: admitting again
             "damaged_files": 0,  # set aside into damaged/ at start-up (damaged.py)
             "damaged_records": 0,  # headers found unreadable at start-up: free records now
+            "purged": 0,  # chunks forgotten by purges
+            "dropped_purged": 0,  # chunks not written (or not indexed): their namespace was purged since
+            "duplicate_writes": 0,  # chunks not written: a write of the same key was in flight
         }
         self._recover()
 
@@ -125,12 +132,15 @@ class SlabIndex:
                 key = items[i][0]
                 if ok[i]:
                     self.counters["read"] += 1
-                elif slab.index.get(key) == record:
+                elif slab.index.get(key) == record and not slab.retired:
                     self.counters["corrupt_chunks" if n in corrupt else "read_errors"] += 1
                     self._drop(slab, key, record)
                     reasons.setdefault(f"unreadable ({errors[n]})" if n in errors else "failed their checksum", []).append(key)
             for keys in reasons.values():
                 self._notify(slab.namespace, keys, False)
+            drained = self._drained(slab)
+        if drained:
+            self._close_retired(slab)
         for reason, keys in reasons.items():  # one line per batch and reason, not per chunk
             logger.warning(
                 "kvstrata disk tier: %d chunks of namespace %s %s, e.g. %s; dropped (misses)",
@@ -186,6 +196,33 @@ class SlabIndex:
                 "kvstrata disk tier: %d reserved records of namespace %s given back for namespace %s",
                 unused, slab.namespace, asking.namespace,
             )  # fmt: skip
+
+    def _drained(self, slab: _Slab) -> bool:
+        """Whether a purged slab's last I/O just ended: the caller closes it, outside the lock
+        (callers hold the lock)."""
+        if slab.retired and not slab.busy and slab in self._retired:
+            self._retired.remove(slab)
+            return True
+        return False
+
+    def _close_retired(self, slab: _Slab) -> None:
+        """Close a purged slab's files (their names are gone: the space is freed now) and stop
+        counting them against `capacity`."""
+        slab.close()
+        with self._lock:
+            self._allocated -= slab.reserved_end * slab.record_cost
+            self.quotas.charge(slab.namespace, -slab.reserved_end * slab.record_cost)
+
+    @staticmethod
+    def _unlink(slab: _Slab) -> None:
+        """Remove a purged slab's file names; its open files live on until closed (callers
+        hold the lock). A name that cannot go (a read-only filesystem, where writes fail
+        too) is logged: a restart would find its chunks again."""
+        for path in (slab.path, slab.header_path):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                logger.error("kvstrata disk tier: a purge could not remove %s (%s)", path, exc.strerror or exc)
 
     @staticmethod
     def _unbusy(slab: _Slab, records: list[int]) -> None:

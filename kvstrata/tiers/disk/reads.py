@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 
 import numpy as np
 
@@ -85,7 +85,7 @@ def read_batch(
     outs: list[np.ndarray],
     todo: list[tuple[int, int]],
     spare: _SpareBuffers,
-    digest_threads: ThreadPoolExecutor,
+    digest_threads: Executor,
     settle: Callable[[set[int], set[int], dict[int, str]], list[bool]],
     release: Callable[[], None],
 ) -> Future[list[bool]]:

@@ -135,6 +135,8 @@ class _Slab:
         self.index: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.busy: dict[int, int] = {}  # record -> I/O operations in flight
+        self.writing: dict[bytes, int] = {}  # key -> the record its write in flight took (one per key)
+        self.retired = False  # purged: its names are gone, it lives until its I/O in flight ends
         self.positions = Positions()
 
     def offset(self, record: int) -> int:

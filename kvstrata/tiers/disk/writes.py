@@ -19,7 +19,7 @@ what `write_batch` returns. It writes only the records it is given.
 from __future__ import annotations
 
 import mmap
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 
 import numpy as np
 
@@ -43,7 +43,7 @@ def write_batch(
     payloads: list[np.ndarray],
     todo: list[tuple[int, int]],
     spare: _SpareBuffers,
-    digest_threads: ThreadPoolExecutor,
+    digest_threads: Executor,
     grow: tuple[int, int] | None,
 ) -> tuple[set[int], OSError | None]:
     """Seal and write the records of `todo` ((item index, record), sorted by record, each
