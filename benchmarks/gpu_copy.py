@@ -27,11 +27,12 @@ import ctypes
 import json
 import math
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from gpu_copy_cuda import best_of, half
+from gpu_copy_cuda import descriptors as layout
 from plotting import Line, Panel, Results, add_out_argument, run_title, write_results
 
 from kvstrata.connector.copy.descriptors import Descriptors
@@ -52,30 +53,6 @@ GOAL_LARGE_PAGES = 0.90  # x the contiguous copy, pages >= 64 KiB, both directio
 GOAL_8K_PAGES = 0.85  # x the contiguous copy, 8 KiB pages, both directions
 GOAL_GEMM_SLOWDOWN = 5.0  # % at most
 GOAL_SUBMIT_MS = 1.0  # ms of CPU per 256 MiB submitted, at most
-
-
-def best_of(repeats: int, fn: Callable[[], None]) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def layout(page: int, pages: int, base_gpu: int, base_host: int, seed: int = 0):
-    """(store, load) descriptors: block i <-> host slot perm[i], and the permutation."""
-    slots = np.random.default_rng(seed).permutation(pages).astype(np.int64)
-    gpu_addr = base_gpu + np.arange(pages, dtype=np.int64) * page
-    host_addr = base_host + slots * page
-    sizes = np.full(pages, page, dtype=np.int64)
-    return Descriptors(host_addr, gpu_addr, sizes), Descriptors(gpu_addr.copy(), host_addr.copy(), sizes), slots
-
-
-def half(desc: Descriptors, first: bool) -> Descriptors:
-    cut = len(desc.sizes) // 2
-    part = slice(0, cut) if first else slice(cut, None)
-    return Descriptors(*(np.ascontiguousarray(a[part]) for a in desc))
 
 
 # --- the CPU analogue --------------------------------------------------------------------

@@ -79,13 +79,13 @@ def best_of(repeats: int, fn: Callable[[], None]) -> float:
     return best
 
 
-def descriptors(page: int, pages: int, base_gpu: int, base_host: int, seed: int = 0) -> tuple[Descriptors, Descriptors]:
-    """(store, load): GPU block i <-> host slot perm[i]."""
+def descriptors(page: int, pages: int, base_gpu: int, base_host: int, seed: int = 0) -> tuple[Descriptors, Descriptors, np.ndarray]:
+    """(store, load, perm): GPU block i <-> host slot perm[i], so no rows merge."""
     slots = np.random.default_rng(seed).permutation(pages).astype(np.int64)
     gpu = base_gpu + np.arange(pages, dtype=np.int64) * page
     host = base_host + slots * page
     sizes = np.full(pages, page, dtype=np.int64)
-    return Descriptors(host, gpu, sizes), Descriptors(gpu.copy(), host.copy(), sizes)
+    return Descriptors(host, gpu, sizes), Descriptors(gpu.copy(), host.copy(), sizes), slots
 
 
 def half(desc: Descriptors, first: bool) -> Descriptors:
@@ -125,7 +125,7 @@ class Runner:
 def measure(page: int, pages: int, buffers: CudaBuffers, args: argparse.Namespace) -> dict[str, object]:
     total = page * pages
     gpu, host = buffers.gpu[:total], buffers.host[:total]
-    store_desc, load_desc = descriptors(page, pages, gpu.data_ptr(), host.data_ptr())
+    store_desc, load_desc, _ = descriptors(page, pages, gpu.data_ptr(), host.data_ptr())
     dma = CudaDmaExecutor()
     kernel = None
     if KernelExecutor is not None and triton is not None and buffers.pinned:

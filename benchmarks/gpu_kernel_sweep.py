@@ -47,7 +47,7 @@ def main() -> None:
         for page in (int(p) * 1024 for p in args.pages_kib.split(",")):
             pages = total // page
             gpu, host = buffers.gpu[: page * pages], buffers.host[: page * pages]
-            store, load = descriptors(page, pages, gpu.data_ptr(), host.data_ptr())
+            store, load, _ = descriptors(page, pages, gpu.data_ptr(), host.data_ptr())
             dma = CudaDmaExecutor()
             run = Runner(dma)
             gbps = lambda s: page * pages / s / 1e9  # noqa: E731

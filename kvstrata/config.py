@@ -361,13 +361,15 @@ class KvstrataConfig(_Strict):
         description="isolates tenants: chunks of different prefixes never mix",
     )
     model_identity: str = Field(
-        default="sampled",
+        default="exact",
         min_length=1,
         max_length=256,
         pattern=r"^[\x21-\x7e][\x20-\x7e]*$",
-        description="how engines decide they serve the same weights: `sampled` (file sizes, small files whole, "
-        "a deterministic sample of each weight file's bytes), `full` (every byte, read once per engine start), "
-        "or any other string: your own version label for the weights, shared by every engine that gives it",
+        description="how engines decide they serve the same weights: `exact` (every byte of every file: a Hugging "
+        "Face cache snapshot by its content names, other files hashed once per node and remembered by inode and "
+        "times), `full` (every byte hashed at every engine start), `sampled` (sizes and a fixed sample of each "
+        "weight file: misses most in-place edits), or any other string: your own version label for the weights, "
+        "shared by every engine that gives it",
     )
     tiers: TiersConfig = TiersConfig()
     engine: EngineConfig = EngineConfig()

@@ -79,7 +79,7 @@ class Layout:
     # checkpoints at one path never do. Empty only where no identity was computed
     # (a layout built outside an engine); then the model's name stands for it.
     model_identity: str = ""
-    # How `model_identity` was reached: sampled / full / explicit / unshared (for operators).
+    # How `model_identity` was reached: hub / content / sampled / explicit / unshared / updated (for operators).
     identity_source: str = ""
 
     @property

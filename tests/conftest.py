@@ -20,3 +20,16 @@ def memory_bucket():
     fs, path = fsspec.core.url_to_fs(url)
     if fs.exists(path):
         fs.rm(path, recursive=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fingerprint_cache(tmp_path_factory):
+    """Model fingerprints remembered by the tests' engines go to a test folder, not the user's cache
+    (set in the environment, so engine processes, Ray workers and actors inherit it)."""
+    previous = os.environ.get("KVSTRATA_CACHE_DIR")
+    os.environ["KVSTRATA_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvstrata-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("KVSTRATA_CACHE_DIR", None)
+    else:
+        os.environ["KVSTRATA_CACHE_DIR"] = previous

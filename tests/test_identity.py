@@ -1,4 +1,5 @@
-"""Model identity: equal for the same checkpoint anywhere, different for any other one."""
+"""Model identity: equal for the same checkpoint anywhere, different for any other one,
+down to one byte that keeps every file's size."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ import pytest
 
 from kvstrata.config import ConfigError, load_config
 from kvstrata.identity import (
+    EXACT,
     FULL,
     SAMPLED,
     WHOLE_FILE_BYTES,
+    DigestCache,
+    fingerprint,
     fingerprint_checkpoint,
     resolve_model_identity,
     sampled_ranges,
 )
 from tests.utils import layout
 
-WEIGHTS_BYTES = 6 * WHOLE_FILE_BYTES + 12345  # large enough to be sampled, not read whole
+WEIGHTS_BYTES = 6 * WHOLE_FILE_BYTES + 12345  # large enough to be sampled and remembered
 SETTINGS = {"quantization": None, "kv_cache_dtype": "auto", "model_dtype": "float32", "hf_config": {"rope_theta": 1e4}}
 
 
@@ -34,12 +38,24 @@ def write_checkpoint(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def flip(path: Path, offset: int) -> None:
+def flip(path: Path, offset: int, keep_mtime: bool = False) -> None:
+    """Change one byte in place; with `keep_mtime`, put the file's mtime back as `cp -p` or rsync would."""
+    before = path.stat()
     with open(path, "r+b") as handle:
         handle.seek(offset)
         byte = handle.read(1)[0]
         handle.seek(offset)
         handle.write(bytes([byte ^ 0x01]))
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def unsampled_offset(size: int) -> int:
+    covered = np.zeros(size, dtype=bool)
+    for start, length in sampled_ranges(size):
+        covered[start : start + length] = True
+    outside = np.flatnonzero(~covered)
+    return int(outside[len(outside) // 2])
 
 
 @pytest.fixture
@@ -47,40 +63,46 @@ def checkpoint(tmp_path) -> Path:
     return write_checkpoint(tmp_path / "model")
 
 
+@pytest.fixture
+def old_files(monkeypatch):
+    """Every file written counts as older than the racy window (a checkpoint written long ago)."""
+    monkeypatch.setattr("kvstrata.identity.digest_cache.RACY_SECONDS", -1e9)
+
+
 def test_a_copy_at_another_path_with_other_mtimes_has_the_same_fingerprint(checkpoint, tmp_path):
     copy = tmp_path / "elsewhere" / "renamed-model"
     shutil.copytree(checkpoint, copy)
     for path in copy.iterdir():
         os.utime(path, (1, 1))
-    for mode in (SAMPLED, FULL):
+    for mode in (EXACT, FULL, SAMPLED):
         assert fingerprint_checkpoint(copy, mode) == fingerprint_checkpoint(checkpoint, mode)
+    # Remembered and freshly hashed digests are the same digest: `exact` and `full` agree.
+    assert fingerprint_checkpoint(checkpoint, EXACT) == fingerprint_checkpoint(checkpoint, FULL)
 
 
-@pytest.mark.parametrize("mode", [SAMPLED, FULL])
-def test_a_change_in_any_sampled_weight_byte_changes_the_fingerprint(checkpoint, mode):
+@pytest.mark.parametrize("where", ["first", "unsampled", "last"])
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime-changed", "mtime-restored"])
+def test_one_byte_edited_in_place_after_a_start_changes_the_identity(checkpoint, old_files, where, keep_mtime):
+    """The edit the sampled default missed: sizes unchanged, and the node remembers the
+    old file's digest from the engine's previous start."""
     weights = checkpoint / "model.safetensors"
-    original = fingerprint_checkpoint(checkpoint, mode)
-    ranges = sampled_ranges(WEIGHTS_BYTES)
-    assert sum(length for _, length in ranges) < WEIGHTS_BYTES // 8  # really a sample
-    rng = np.random.default_rng(1)
-    for start, length in ranges:
-        for offset in (start, start + length - 1, start + int(rng.integers(length))):
-            flip(weights, offset)
-            assert fingerprint_checkpoint(checkpoint, mode) != original, (mode, offset)
-            flip(weights, offset)  # restore
-    assert fingerprint_checkpoint(checkpoint, mode) == original
+    before = fingerprint(checkpoint)
+    assert fingerprint(checkpoint).remembered == 1  # the restart took the remembered digest
+    offset = {"first": 0, "unsampled": unsampled_offset(WEIGHTS_BYTES), "last": WEIGHTS_BYTES - 1}[where]
+    flip(weights, offset, keep_mtime)
+    after = fingerprint(checkpoint)
+    assert after.weights != before.weights and after.remembered == 0
+    assert fingerprint_checkpoint(checkpoint, FULL) == after.weights
 
 
-def test_only_full_mode_sees_a_byte_outside_the_sample(checkpoint):
-    """The trade-off `sampled` makes, measured rather than assumed."""
-    covered = np.zeros(WEIGHTS_BYTES, dtype=bool)
-    for start, length in sampled_ranges(WEIGHTS_BYTES):
-        covered[start : start + length] = True
-    unsampled = int(np.flatnonzero(~covered)[len(np.flatnonzero(~covered)) // 2])
-    sampled, full = fingerprint_checkpoint(checkpoint, SAMPLED), fingerprint_checkpoint(checkpoint, FULL)
-    flip(checkpoint / "model.safetensors", unsampled)
-    assert fingerprint_checkpoint(checkpoint, SAMPLED) == sampled
-    assert fingerprint_checkpoint(checkpoint, FULL) != full
+def test_sampled_misses_a_byte_outside_its_sample_that_exact_and_full_see(checkpoint):
+    """The trade-off `sampled` makes, measured rather than assumed: why it is no longer the default."""
+    before = {mode: fingerprint_checkpoint(checkpoint, mode) for mode in (EXACT, FULL, SAMPLED)}
+    assert sum(length for _, length in sampled_ranges(WEIGHTS_BYTES)) < WEIGHTS_BYTES // 8  # really a sample
+    flip(checkpoint / "model.safetensors", unsampled_offset(WEIGHTS_BYTES))
+    assert fingerprint_checkpoint(checkpoint, SAMPLED) == before[SAMPLED]
+    assert fingerprint_checkpoint(checkpoint, EXACT) != before[EXACT]
+    assert fingerprint_checkpoint(checkpoint, FULL) != before[FULL]
 
 
 @pytest.mark.parametrize(
@@ -93,10 +115,11 @@ def test_only_full_mode_sees_a_byte_outside_the_sample(checkpoint):
     ],
     ids=["config", "added-file", "renamed-file", "grown-file"],
 )
-def test_small_files_names_and_sizes_are_part_of_the_fingerprint(checkpoint, change):
-    before = fingerprint_checkpoint(checkpoint)
+@pytest.mark.parametrize("mode", [EXACT, SAMPLED])
+def test_small_files_names_and_sizes_are_part_of_the_fingerprint(checkpoint, change, mode):
+    before = fingerprint_checkpoint(checkpoint, mode)
     change(checkpoint)
-    assert fingerprint_checkpoint(checkpoint) != before
+    assert fingerprint_checkpoint(checkpoint, mode) != before
 
 
 def test_documentation_and_hidden_files_are_not(checkpoint):
@@ -124,8 +147,8 @@ def test_another_checkpoint_of_the_same_shape_is_another_model(tmp_path):
     ],
 )
 def test_every_setting_that_changes_kv_bytes_changes_the_identity(checkpoint, setting, value):
-    base = resolve_model_identity(str(checkpoint), SAMPLED, SETTINGS)
-    changed = resolve_model_identity(str(checkpoint), SAMPLED, {**SETTINGS, setting: value})
+    base = resolve_model_identity(str(checkpoint), EXACT, SETTINGS)
+    changed = resolve_model_identity(str(checkpoint), EXACT, {**SETTINGS, setting: value})
     assert base.shared and changed.shared
     assert base.digest != changed.digest
 
@@ -133,10 +156,11 @@ def test_every_setting_that_changes_kv_bytes_changes_the_identity(checkpoint, se
 def test_the_model_name_alone_does_not_change_the_identity(checkpoint, tmp_path):
     copy = tmp_path / "served-as-another-name"
     shutil.copytree(checkpoint, copy)
-    here = resolve_model_identity(str(checkpoint), SAMPLED, SETTINGS)
-    there = resolve_model_identity(str(copy), SAMPLED, SETTINGS)
+    here = resolve_model_identity(str(checkpoint), EXACT, SETTINGS)
+    there = resolve_model_identity(str(copy), EXACT, SETTINGS)
     assert here.name != there.name and here.digest == there.digest
     assert here.describe()["identity"] == here.short == here.digest[:12]
+    assert here.source == "content"
 
 
 def test_an_explicit_identity_replaces_the_weights_but_not_the_settings(tmp_path):
@@ -149,20 +173,27 @@ def test_an_explicit_identity_replaces_the_weights_but_not_the_settings(tmp_path
 
 
 def test_weights_that_cannot_be_read_are_never_shared(tmp_path, caplog):
-    remote = resolve_model_identity("s3://bucket/not-here", SAMPLED, SETTINGS)
-    again = resolve_model_identity("s3://bucket/not-here", SAMPLED, SETTINGS)
+    remote = resolve_model_identity("s3://bucket/not-here", EXACT, SETTINGS)
+    again = resolve_model_identity("s3://bucket/not-here", EXACT, SETTINGS)
     assert not remote.shared and remote.digest != again.digest
     assert remote.describe()["identity_reason"] == "the weights are not on a local filesystem"
     assert "shared with no other engine" in caplog.text
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert not resolve_model_identity(str(empty), SAMPLED, SETTINGS).shared
+    assert not resolve_model_identity(str(empty), EXACT, SETTINGS).shared
 
 
 def test_without_the_engine_config_only_an_explicit_identity_is_shared(checkpoint):
-    assert not resolve_model_identity(str(checkpoint), SAMPLED, None).shared
+    assert not resolve_model_identity(str(checkpoint), EXACT, None).shared
     explicit = resolve_model_identity(str(checkpoint), "v1", None)
     assert explicit.shared and explicit.settings == {"engine_settings": "unknown"}
+
+
+def test_weights_updated_in_place_get_an_identity_of_their_own(checkpoint):
+    served = resolve_model_identity(str(checkpoint), EXACT, SETTINGS)
+    first, second = served.updated(1), served.updated(1)
+    assert not first.shared and first.source == "updated"
+    assert len({served.digest, first.digest, second.digest}) == 3  # not even two engines' updates share
 
 
 def test_the_identity_replaces_the_model_path_in_the_namespace():
@@ -177,3 +208,16 @@ def test_the_identity_replaces_the_model_path_in_the_namespace():
 def test_a_bad_model_identity_in_the_yaml_names_the_key(bad):
     with pytest.raises(ConfigError, match="model_identity"):
         load_config({"model_identity": bad})
+
+
+def test_exact_is_the_default():
+    assert load_config({}).model_identity == EXACT
+
+
+def test_an_unwritable_cache_directory_costs_speed_not_the_identity(checkpoint, tmp_path, old_files, caplog):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the cache directory should be")
+    cache = DigestCache(blocked / "identity")
+    assert fingerprint_checkpoint(checkpoint, EXACT, cache) == fingerprint_checkpoint(checkpoint, FULL)
+    assert "cannot keep model fingerprints" in caplog.text
+    assert fingerprint(checkpoint, EXACT, cache).remembered == 0

@@ -1,5 +1,5 @@
 """One shard of the cluster directory: which nodes hold which chunk of a namespace, and
-in which of their tiers (arena or disk).
+in which of their tiers (arena or disk); and which chunks the shared bucket holds.
 
 Keys are spread over `cluster.directory_shards` shards by the first byte of their hash
 (block hashes are uniform). Each node store syncs with every shard every
@@ -7,6 +7,13 @@ Keys are spread over `cluster.directory_shards` shards by the first byte of thei
 its arena or on its disk) for each namespace, and gets back every change other nodes
 made since the sequence number it last saw -- so the traffic is batched per store and
 period, never per chunk.
+
+Routers ask it too (`coverage`, kvstrata.routing): for a request's chunk keys, which
+holders have which, as one bitmask per holder, so a router can tell per node how much of
+a prompt's prefix sits in its arena, on its disk, on another node or in the bucket. The
+bucket is one holder for the whole cluster (`BUCKET_HOLDER`): every store publishes what
+its object index learned (its uploads and its sweeps of the bucket), and the shard keeps
+the latest word; it is never sent back to stores, which index the bucket themselves.
 
 The directory is a hint, never the truth: an entry may name a node that has since
 evicted the chunk or died, and a peer fetch from it is then a miss. A shard that
@@ -23,17 +30,19 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvstrata.actors.options import in_ray_actor, service_actor_options
-from kvstrata.tiers.changelog import CPU, STORAGE, ChangeLog
+from kvstrata.tiers.changelog import CPU, OBJECT, STORAGE, ChangeLog
 
 # (key, tier, present) as a store sends it; (key, "<node id>/<tier>", present) as it comes back.
 Update = tuple[bytes, str, bool]
 NodeChange = tuple[bytes, str, bool]
 DIRECTORY_NAME_PREFIX = "kvstrata-directory-"
 TIERS = (CPU, STORAGE)  # what a node can hand to a peer: its arena, its disk
+PUBLISHED = TIERS + (OBJECT,)  # what stores tell the directory: also what the bucket holds
+BUCKET_HOLDER = "*/OBJECT"  # the shared object store: any node reads it
 
 
 def holder_label(node_id: str, tier: str) -> str:
@@ -60,6 +69,9 @@ class DirectoryShard:
         self._lock = threading.Lock()
         # One change log per namespace; its "medium" is the holder: "<node id>/<tier>".
         self._logs: dict[str, ChangeLog] = {}
+        # namespace -> key -> holders (labels, BUCKET_HOLDER included): what `coverage` reads.
+        self._holders: dict[str, dict[bytes, set[str]]] = {}
+        self._bucket_chunks: dict[str, int] = {}  # namespace -> keys BUCKET_HOLDER holds
         self._metrics = None
         if in_ray_actor():
             from kvstrata.actors.store_metrics import MetricsExporter, directory_samples
@@ -88,9 +100,12 @@ class DirectoryShard:
                     for tier in TIERS:
                         for key in log.present(holder_label(node_id, tier)):
                             if (key, tier) not in holding:
-                                log.record(key, holder_label(node_id, tier), False)
+                                self._record(namespace, key, holder_label(node_id, tier), False)
                 for key, tier, present in updates:
-                    log.record(key, holder_label(node_id, tier), present)
+                    if tier == OBJECT:  # the bucket: its own holder, not this node's
+                        self._index(namespace, key, BUCKET_HOLDER, present)
+                    elif tier in TIERS:
+                        self._record(namespace, key, holder_label(node_id, tier), present)
                 since = log.since(known_seq) if known_seq >= 0 else None
                 if since is None:
                     seq, changes = log.snapshot()
@@ -99,15 +114,51 @@ class DirectoryShard:
                     replies[namespace] = (since[0], since[1], False)
         return self.epoch, replies
 
+    def coverage(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]:
+        """Which holders have which of `keys`: holder label (`<node id>/CPU`,
+        `<node id>/STORAGE`, `BUCKET_HOLDER`) -> bitmask, bit i set when it holds `keys[i]`.
+
+        Holders of none of the keys are left out, so the answer grows with the holders a
+        prompt's chunks actually have, not with the cluster. Read-only."""
+        masks: dict[str, int] = {}
+        with self._lock:
+            index = self._holders.get(namespace)
+            if not index:
+                return masks
+            for bit, key in enumerate(keys):
+                for holder in index.get(key, ()):
+                    masks[holder] = masks.get(holder, 0) | (1 << bit)
+        return masks
+
+    def _record(self, namespace: str, key: bytes, holder: str, present: bool) -> None:
+        """A node's holding changed: into its change log (what stores sync) and the index."""
+        self._logs[namespace].record(key, holder, present)
+        self._index(namespace, key, holder, present)
+
+    def _index(self, namespace: str, key: bytes, holder: str, present: bool) -> None:
+        index = self._holders.setdefault(namespace, {})
+        holders = index.get(key)
+        if present == (holders is not None and holder in holders):
+            return
+        if holder == BUCKET_HOLDER:
+            self._bucket_chunks[namespace] = self._bucket_chunks.get(namespace, 0) + (1 if present else -1)
+        if present:
+            index.setdefault(key, set()).add(holder)
+            return
+        holders.discard(holder)
+        if not holders:
+            del index[key]
+
     def drop_nodes(self, node_ids: Iterable[str]) -> int:
         """Forget every entry of nodes that left the cluster; returns how many went."""
         dropped = 0
+        node_ids = list(node_ids)
         with self._lock:
-            for log in self._logs.values():
+            for namespace, log in self._logs.items():
                 for node_id in node_ids:
                     for tier in TIERS:
                         for key in log.present(holder_label(node_id, tier)):
-                            log.record(key, holder_label(node_id, tier), False)
+                            self._record(namespace, key, holder_label(node_id, tier), False)
                             dropped += 1
         return dropped
 
@@ -117,6 +168,7 @@ class DirectoryShard:
                 "shard": self.shard,
                 "epoch": self.epoch,
                 "namespaces": {ns: log.count() for ns, log in self._logs.items()},
+                "bucket": dict(self._bucket_chunks),
             }
 
 

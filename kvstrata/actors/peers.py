@@ -3,8 +3,8 @@
 Runs inside the NodeStore actor when the config has a `cluster` section.
 
 - Sync (one thread, every `cluster.sync_seconds`): one call per directory shard carries
-  every namespace's changes of what this node holds (arena or disk) and brings back
-  what other nodes hold. Chunks held elsewhere enter this store's change log as medium
+  every namespace's changes of what this node holds (arena or disk) and of what its
+  object index says the bucket holds (for routers), and brings back what other nodes hold. Chunks held elsewhere enter this store's change log as medium
   `PEER`, so engines mirror them like any other tier: a lookup answers `RETRY`, the
   store fetches the chunk from a peer, and the next lookup is a `HIT`.
 - Fetch: chunks go from the peer store's arena (or disk) to this arena in one Ray call
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.actors.directory import TIERS, shard_of, split_holder
+from kvstrata.actors.directory import PUBLISHED, TIERS, shard_of, split_holder
 from kvstrata.actors.options import STORE_NAMESPACE, store_actor_name
 from kvstrata.config import ClusterConfig
 from kvstrata.keys import key_name
@@ -141,13 +141,16 @@ class PeerSync:
             published[namespace] = seq
             updates: list[list[tuple[bytes, str, bool]]] = [[] for _ in range(shards)]
             for key, medium, present in changes:
-                if medium in TIERS:
+                if medium in PUBLISHED:
                     updates[shard_of(key, shards)].append((key, medium, present))
             for shard in range(shards):
                 full = self._epochs[shard] is None or since is None
                 if full:  # the shard forgot us (or never knew us): our whole holding
                     shard_updates = [
-                        (key, tier, True) for tier in TIERS for key in log.present(tier) if shard_of(key, shards) == shard
+                        (key, tier, True)
+                        for tier in PUBLISHED
+                        for key in log.present(tier)
+                        if shard_of(key, shards) == shard
                     ]
                 else:
                     shard_updates = updates[shard]
@@ -216,7 +219,7 @@ class PeerSync:
                         touched.add(key)
                 for key, holder, present in changes:
                     node_id, tier = split_holder(holder)
-                    if node_id == self.node_id:
+                    if node_id == self.node_id or tier not in TIERS:
                         continue
                     touched.add(key)
                     if present:

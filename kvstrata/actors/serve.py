@@ -11,6 +11,12 @@ one creates (or finds) the kvstrata store of every node in the replica's placeme
 group -- with tensor or pipeline parallelism over several nodes, each of them -- and
 waits until each answers, so the engine's first scheduler step finds its store.
 
+It also tells the engine which node it stands for (`KVSTRATA_NODE_ID`, inherited by the
+engine's processes, unless already set): the replica's own node. On a real cluster that
+is where the engine's scheduler runs anyway; on simulated nodes (several raylets on one
+machine) the scheduler's own `ray.init` may attach to another node's raylet, and the
+engine would use that node's store, hiding from routers where its chunks are.
+
 The tier config is the one the engine will use: `kv_transfer_config`'s
 `kv_connector_extra_config.config` (a path or an inline mapping), unless the callback
 is given its own with `callback_kwargs: {config: ...}`. Stores are looked up in the
@@ -21,12 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
 from kvstrata.actors.client import current_node_id, ensure_node_store
+from kvstrata.actors.options import in_ray_actor
 from kvstrata.config import load_config
 
 logger = logging.getLogger(__name__)
@@ -60,6 +68,8 @@ class NodeStoreCallback(CallbackBase):
         if source is None:
             source = engine_tier_config(self.llm_config.engine_kwargs)
         config = load_config(source)
+        if in_ray_actor():  # the replica: its engine, started after this, inherits it
+            os.environ.setdefault("KVSTRATA_NODE_ID", current_node_id())
         nodes = placement_group_nodes(self.ctx.placement_group) or [current_node_id()]
         stores = [ensure_node_store(config, node) for node in nodes]
         epochs = await asyncio.wait_for(

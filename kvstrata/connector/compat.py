@@ -24,6 +24,7 @@ Supported: vLLM 0.29 through 0.33 (CI runs the connector tests on 0.29.0, 0.32.0
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -55,6 +56,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvstrata.connector.kv_events import event_fields
+
 try:  # 0.32+
     from vllm.v1.kv_offload.base import Locality
 except ImportError:  # pragma: no cover - older vLLM
@@ -81,30 +84,23 @@ def check_vllm_version() -> None:
         )
 
 
-REMOTE_MEDIA = {"OBJECT": "STORAGE", "PEER": "CPU"}
-# vLLM's `ownership` names the secondary tier an event comes from (None: the primary
-# tier, the node arena). With it, vLLM's self-describing event tracker keeps one
-# residency per tier and keeps a chunk's payload until the last tier drops it.
-OWNERSHIP = {"STORAGE": "kvstrata-disk", "OBJECT": "kvstrata-object", "PEER": "kvstrata-peer"}
-
-
 def make_event(keys: list[bytes], removed: bool, medium: str = "CPU") -> OffloadingEvent:
     """An event of a tier: `CPU` (the node arena), `STORAGE` (the node's disk), `OBJECT`
-    (the shared object store: vLLM's STORAGE medium, remote) or `PEER` (another node's
-    store: CPU medium, remote).
+    (the shared object store) or `PEER` (another node's store), with the medium, locality
+    and ownership `kv_events.TIER_EVENTS` gives it.
 
     Every tier announces its removals, so every store says so (`removal_expected`).
     """
-    remote = medium in REMOTE_MEDIA
+    fields = event_fields(medium)
     kwargs: dict[str, Any] = {
         "keys": keys,
-        "medium": Medium(REMOTE_MEDIA.get(medium, medium)),
+        "medium": Medium(fields.medium),
         "removed": removed,
-        "ownership": OWNERSHIP.get(medium),
+        "ownership": fields.ownership,
         "removal_expected": not removed,
     }
     if Locality is not None:
-        kwargs["locality"] = Locality.REMOTE if remote else Locality.LOCAL
+        kwargs["locality"] = Locality(fields.locality)
     return OffloadingEvent(**kwargs)
 
 
@@ -250,6 +246,62 @@ def prefix_hash_algo(vllm_config: Any | None = None) -> str:
     return str(vllm_config.cache_config.prefix_caching_hash_algo)
 
 
+def prefix_block_hashes(
+    token_ids: list[int],
+    tokens_per_hash: int,
+    hash_algo: str,
+    seed: str | None = None,
+    lora: tuple[str, str] | None = None,
+    cache_salt: str | None = None,
+) -> list[bytes]:
+    """The block hashes an engine computes for a prompt (`Request.block_hashes`), outside
+    any engine: what a router needs to name the prompt's chunks.
+
+    vLLM's own functions do the work (the hash function by name, the extra keys of LoRA
+    and `cache_salt` in the order and form vLLM builds them, the parent chaining); the
+    request they read is a stand-in with no multimodal inputs or prompt embeddings.
+    `seed`: what the engines' first parent hash (`NONE_HASH`) is derived from; None:
+    as vLLM derives it in this process (`PYTHONHASHSEED`, else vLLM's fixed seed for
+    cryptographic hashes). `lora`: (adapter name, adapter path) as the engine resolved
+    them. Leaves vLLM's module state (its `NONE_HASH`) alone.
+
+    Raises ValueError where this process cannot reproduce the engines' hashes: an
+    unknown algorithm, or a non-cryptographic one with no seed (vLLM then seeds each
+    engine at random).
+    """
+    from types import SimpleNamespace
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    if seed is None:
+        resolve = getattr(kv_cache_utils, "resolve_none_hash_seed", None)
+        seed = os.environ.get("PYTHONHASHSEED")
+        if seed is None and resolve is not None and hash_algo.startswith("sha256"):
+            seed = resolve(hash_fn)
+        if seed is None:
+            raise ValueError(
+                f"kvstrata: the engines' {hash_algo} block hashes start from a random seed; set PYTHONHASHSEED "
+                "to one value for the engines and the router (or pass the seed)"
+            )
+    lora_request = None if lora is None else SimpleNamespace(lora_name=lora[0], lora_path=lora[1], name=lora[0])
+    request = SimpleNamespace(
+        lora_request=lora_request,
+        cache_salt=cache_salt,
+        mm_features=[],
+        prompt_embeds=None,
+        _prompt_embeds_per_block_hashes={},
+    )
+    parent: bytes = hash_fn(seed)
+    hashes: list[bytes] = []
+    for start in range(0, len(token_ids) - tokens_per_hash + 1, tokens_per_hash):
+        extra_keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, start, start + tokens_per_hash, 0)
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start : start + tokens_per_hash], extra_keys)
+        hashes.append(bytes(parent))
+    return hashes
+
+
 __all__ = [
     "BlockIDsLoadStoreSpec",
     "CanonicalKVCaches",
@@ -284,5 +336,6 @@ __all__ = [
     "model_download_dir",
     "model_settings",
     "override",
+    "prefix_block_hashes",
     "prefix_hash_algo",
 ]

@@ -34,6 +34,7 @@ from kvstrata.connector.compat import (
     prefix_hash_algo,
 )
 from kvstrata.connector.manager import COUNTER_NAMES, GAUGE_NAMES, StrataManager, metric_name
+from kvstrata.connector.weight_updates import WeightGenerations
 from kvstrata.identity import ModelIdentity, resolve_model_identity
 from kvstrata.keys import Layout
 from kvstrata.namespaces import holder_name
@@ -94,7 +95,7 @@ class StrataSpec(OffloadingSpec):
         self._download_dir = None if vllm_config is None else model_download_dir(vllm_config)
         self._async_scheduling = async_scheduling(vllm_config)
         self.identity: ModelIdentity | None = None
-        self._manager: StrataManager | None = None
+        self._manager: WeightGenerations | None = None
         self._worker: OffloadingWorker | None = None
 
     @override
@@ -123,14 +124,32 @@ class StrataSpec(OffloadingSpec):
             )
             join_cluster_keeping_signals(cfg.ray.address)
             client = RayStoreClient(ensure_node_store(cfg), cfg.engine.control_timeout_seconds)
-            self._manager = StrataManager(
-                client,
-                self.layout,
-                cfg,
-                holder=holder_name(f"{self.config.engine_id}-{os.getpid()}"),  # the store checks holders
-                enable_events=self.kv_events_config.enable_kv_cache_events,
-                async_scheduling=self._async_scheduling,
-            )
+            holder = f"{self.config.engine_id}-{os.getpid()}"
+
+            def start(layout: Layout, holder: str) -> StrataManager:
+                return StrataManager(
+                    client,
+                    layout,
+                    cfg,
+                    holder=holder_name(holder),  # the store checks holders
+                    enable_events=self.kv_events_config.enable_kv_cache_events,
+                    async_scheduling=self._async_scheduling,
+                )
+
+            def start_generation(generation: int) -> StrataManager:
+                """After a connector reset: the weights may have changed in place (weight_updates.py)."""
+                updated = self.identity.updated(generation)
+                layout = dataclasses.replace(
+                    self.layout, model_identity=updated.digest, identity_source=updated.source
+                )
+                logger.info(
+                    "kvstrata: connector reset: model %s now has identity %s (weights may have changed in place; "
+                    "unique to this engine): namespace %s",
+                    updated.name, updated.short, layout.namespace,
+                )  # fmt: skip
+                return start(layout, f"{holder}-g{generation}")
+
+            self._manager = WeightGenerations(start(self.layout, holder), start_generation)
         return self._manager
 
     @override

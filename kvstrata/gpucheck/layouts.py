@@ -134,17 +134,23 @@ def _rows(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return tensor.view(torch.int8).view(num_blocks, -1)
 
 
-def flash_attn(dims: Dims, dtype: torch.dtype, device: torch.device) -> KVLayout:
+def _block_first_layers(dims: Dims, dtype: torch.dtype, device: torch.device, transpose: bool) -> KVLayout:
+    """One `(num_blocks, 2, ...)` allocation per layer, one canonical region each; the
+    kernels see it as allocated (FlashInfer) or with K/V first (FlashAttention)."""
     n, kv = dims.num_blocks, (dims.block_size, dims.kv_heads, dims.head_dim)
     views, tensors = [], []
     for layer in range(dims.layers):
         physical = torch.zeros((n, 2, *kv), dtype=dtype, device=device)
-        logical = physical.transpose(0, 1)  # (2, num_blocks, ...): the backend's shape
-        views.append(LogicalView(f"layer{layer}", _int_view(logical), block_dim=1))
+        logical = physical.transpose(0, 1) if transpose else physical
+        views.append(LogicalView(f"layer{layer}", _int_view(logical), block_dim=1 if transpose else 0))
         rows = _rows(physical, n)
         tensors.append(CanonicalTensor(rows, rows.shape[1]))
     refs = [CanonicalRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]
     return KVLayout("", dims, [views], Canonical(tensors, [refs]), [None])
+
+
+def flash_attn(dims: Dims, dtype: torch.dtype, device: torch.device) -> KVLayout:
+    return _block_first_layers(dims, dtype, device, transpose=True)
 
 
 def flash_attn_split(dims: Dims, dtype: torch.dtype, device: torch.device) -> KVLayout:
@@ -161,15 +167,7 @@ def flash_attn_split(dims: Dims, dtype: torch.dtype, device: torch.device) -> KV
 
 
 def flashinfer(dims: Dims, dtype: torch.dtype, device: torch.device) -> KVLayout:
-    n, kv = dims.num_blocks, (dims.block_size, dims.kv_heads, dims.head_dim)
-    views, tensors = [], []
-    for layer in range(dims.layers):
-        physical = torch.zeros((n, 2, *kv), dtype=dtype, device=device)
-        views.append(LogicalView(f"layer{layer}", _int_view(physical), block_dim=0))
-        rows = _rows(physical, n)
-        tensors.append(CanonicalTensor(rows, rows.shape[1]))
-    refs = [CanonicalRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]
-    return KVLayout("", dims, [views], Canonical(tensors, [refs]), [None])
+    return _block_first_layers(dims, dtype, device, transpose=False)
 
 
 def cross_layer(dims: Dims, dtype: torch.dtype, device: torch.device) -> KVLayout:

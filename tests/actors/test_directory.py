@@ -145,3 +145,18 @@ def test_the_groups_of_one_position_are_separate_entries():
     shard.sync("a", {NS: ([(window, "CPU", False)], -1, False)})
     _, replies = shard.sync("b", {NS: ([], seen, False)})
     assert replies[NS][1] == [(window, "a/CPU", False)]
+
+
+def test_the_bucket_is_one_holder_for_routers_and_never_sent_to_stores_as_a_peer():
+    from kvstrata.actors.directory import BUCKET_HOLDER
+
+    shard = DirectoryShard(0)
+    shard.sync("a", {NS: ([(key(1), "OBJECT", True), (key(2), "OBJECT", True), (key(1), "CPU", True)], -1, False)})
+    _, replies = shard.sync("b", {NS: ([(key(2), "OBJECT", True)], -1, False)})
+    assert replies[NS][1] == [(key(1), "a/CPU", True)]  # stores index the bucket themselves
+    assert shard.coverage(NS, [key(1), key(2), key(3)]) == {BUCKET_HOLDER: 0b011, "a/CPU": 0b001}
+    shard.sync("a", {NS: ([(key(1), "CPU", True)], -1, True)})  # a's full holding: the bucket is not a's to drop
+    shard.sync("b", {NS: ([(key(2), "OBJECT", False)], -1, False)})  # a sweep found it gone
+    assert shard.coverage(NS, [key(1), key(2)]) == {BUCKET_HOLDER: 0b01, "a/CPU": 0b01}
+    assert shard.stats()["bucket"] == {NS: 1}
+    assert shard.drop_nodes(["a"]) == 1 and shard.coverage(NS, [key(1)]) == {BUCKET_HOLDER: 0b1}

@@ -108,9 +108,11 @@ def test_a_chunk_on_another_node_is_fetched_and_reported_as_peer_to_peer(engine)
     assert peer.calls >= 1 and store.peers.stats()["chunks_fetched"] == 3
     if load_source("PEER") is not None:
         assert {manager.get_load_source(k, ctx()) for k in chunks} == {load_source("PEER")}
-    remote = [e for e in manager.take_events() if e.medium == Medium.CPU and not e.removed and Locality is not None
-              and e.locality == Locality.REMOTE]  # fmt: skip
-    assert Locality is None or {k for e in remote for k in e.keys} == set(chunks)
+    # Announced as another node's (remote storage, never this node's host memory), then,
+    # once fetched, as this node's arena.
+    peer_events = [e for e in manager.take_events() if e.ownership == "kvstrata-peer" and not e.removed]
+    assert {k for e in peer_events for k in e.keys} == set(chunks)
+    assert {(e.medium, e.locality) for e in peer_events} == {(Medium.STORAGE, Locality and Locality.REMOTE)}
 
 
 def test_a_failed_peer_fetch_is_a_miss_and_that_peer_is_not_asked_again_at_once(engine):

@@ -1,0 +1,249 @@
+"""Weights updated in place while an engine serves: a new namespace at every connector reset.
+
+RL frameworks and hot-reloads change an engine's weights without restarting it
+(`collective_rpc("reload_weights")`, vLLM's weight-transfer `update_weights`, an NCCL
+sync). vLLM 0.29-0.33 tells the connector nothing when weights change; the one signal
+it gives is a connector reset, `OffloadingManager.reset_cache()`, which comes from
+`reset_prefix_cache(reset_connector=True)` (`POST /reset_prefix_cache?reset_external=true`),
+`pause_generation(clear_cache=True)` (its default) and `sleep(level>=1)`. A plain
+`reset_prefix_cache()` clears vLLM's own GPU cache only: kvstrata is not told.
+
+A purge of the engine's namespace is not enough to honour the reset: chunks of that
+namespace also sit on other nodes (peer fetch), in the bucket, in uploads and
+promotions already queued, and in commits of stores that were in flight, and other
+engines that still serve the old weights keep adding to it. So a reset ends a
+*generation*: from the reset on, the engine's chunks live in a namespace of their own
+(`ModelIdentity.updated`: the old identity, the generation and a random part), which
+no chunk computed before the reset can be in, here or anywhere. Nothing needs to be
+waited for. The old namespace is still purged on this node, as before (it frees the
+space; it is not what makes the reset safe).
+
+Invariants:
+- after `reset_cache` returns, every answer comes from the new generation's manager;
+- the old manager lives until the loads in flight at the reset can no longer read its
+  slots (on vLLM 0.33 once vLLM reported them flushed, `on_reset_flushed`; before, one
+  step after the reset, when vLLM flushed them), sends its last request (purge,
+  unpins), then shuts down on a thread this object owns and joins;
+- a new generation that cannot be started (the store unreachable) serves misses and
+  stores nothing (`Misses`): recomputing is always correct.
+The new namespace is unique to the engine process: engines that applied the same
+update do not share it. An engine restarted on the updated checkpoint shares again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+from kvstrata.connector.compat import (
+    HAS_RESET_FLUSHED,
+    LookupResult,
+    OffloadingConnectorStats,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    override,
+)
+
+logger = logging.getLogger(__name__)
+
+RETIRE_TIMEOUT_S = 5.0
+
+
+class Misses(OffloadingManager):
+    """A manager that finds nothing and keeps nothing: the engine recomputes everything."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return LookupResult.MISS
+
+    @override
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
+        raise AssertionError("prepare_load of a key that was never a HIT")
+
+    @override
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        return None
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+
+class WeightGenerations(OffloadingManager):
+    """vLLM's manager for one engine: the current generation's manager, swapped at each reset.
+
+    `start(generation)` builds the manager of generation `generation` (1, 2, ...): a
+    `StrataManager` over the namespace of `ModelIdentity.updated(generation)`.
+    """
+
+    def __init__(self, first: OffloadingManager, start: Callable[[int], OffloadingManager]):
+        self._current = first
+        self._start = start
+        self._generation = 0
+        self._live: dict[str, ReqContext] = {}  # requests vLLM started and has not finished
+        self._retiring: list[list[Any]] = []  # [manager, flushed], oldest first
+        self._retired_stats: OffloadingConnectorStats | None = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def current(self) -> OffloadingManager:
+        return self._current
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def __getattr__(self, name: str) -> Any:  # namespace, holder, counters(), wait_idle(), ... of the current one
+        if name.startswith("__") or name == "_current":
+            raise AttributeError(name)
+        return getattr(self._current, name)
+
+    @property
+    def lock(self) -> Any:
+        return self._current.lock
+
+    # --- the reset ----------------------------------------------------------------------
+
+    @override
+    def reset_cache(self) -> None:
+        old = self._current
+        old.reset_cache()
+        self._retiring.append([old, not HAS_RESET_FLUSHED])  # before 0.33: flushed by the next step
+        self._generation += 1
+        try:
+            self._current = self._start(self._generation)
+        except Exception:  # noqa: BLE001 - the engine keeps serving, recomputing
+            logger.exception(
+                "kvstrata: could not start a new cache generation after a reset; this engine recomputes every "
+                "prompt until it restarts"
+            )
+            self._current = Misses()
+        for req_context in self._live.values():  # requests that go on across the reset
+            self._current.on_new_request(req_context)
+
+    def on_reset_flushed(self) -> None:
+        for entry in self._retiring:
+            if not entry[1]:
+                entry[0].on_reset_flushed()
+                entry[1] = True
+
+    def _step_retiring(self, context: ScheduleEndContext) -> None:
+        """End the step for the old managers too (the first request carries the purge),
+        and shut down, off the engine's thread, each one whose loads vLLM has flushed
+        once that last request (with the unpins) is out."""
+        still = []
+        for entry in self._retiring:
+            manager, flushed = entry
+            manager.on_schedule_end(context)
+            if not flushed:
+                still.append(entry)
+                continue
+            stats = manager.get_stats()
+            if stats is not None:
+                self._retired_stats = stats if self._retired_stats is None else self._retired_stats.aggregate(stats)
+            thread = threading.Thread(target=_retire, args=(manager,), name="kvstrata-retire", daemon=True)
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        self._retiring = still
+
+    def wait_retired(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every old generation that could retire has shut down. Never used by vLLM."""
+        for thread in self._threads:
+            thread.join(timeout_s)
+        return not any(thread.is_alive() for thread in self._threads)
+
+    # --- delegated to the current generation ------------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return self._current.lookup(key, req_context)
+
+    @override
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
+        return self._current.prepare_load(keys, req_context)
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._current.touch(keys, req_context)
+
+    @override
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._current.complete_load(keys, req_context)
+
+    @override
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        return self._current.prepare_store(keys, req_context)
+
+    @override
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        self._current.complete_store(keys, req_context, success)
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> Any:
+        return self._current.get_load_source(key, req_context)
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._live[req_context.req_id] = req_context
+        return self._current.on_new_request(req_context)
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._live.pop(req_context.req_id, None)
+        self._current.on_request_finished(req_context)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._retiring:
+            self._step_retiring(context)
+        self._current.on_schedule_end(context)
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = [event for manager, _ in self._retiring for event in manager.take_events()]
+        return events + list(self._current.take_events())
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._retiring) or self._current.has_pending_work()
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats = self._current.get_stats()
+        retired, self._retired_stats = self._retired_stats, None
+        if retired is None:
+            return stats
+        return retired if stats is None else retired.aggregate(stats)  # counters add up, gauges are current
+
+    @override
+    def shutdown(self) -> None:
+        for manager, _ in self._retiring:
+            _retire(manager)
+        self._retiring = []
+        for thread in self._threads:
+            thread.join(RETIRE_TIMEOUT_S + 1)
+        self._current.shutdown()
+
+
+def _retire(manager: OffloadingManager) -> None:
+    """Send what the manager still owes the store (its purge, its unpins), then release the rest."""
+    try:
+        wait_idle = getattr(manager, "wait_idle", None)
+        if wait_idle is not None:
+            wait_idle(RETIRE_TIMEOUT_S)
+        manager.shutdown()
+    except Exception as exc:  # noqa: BLE001 - its lease frees what it held anyway
+        logger.warning("kvstrata: an old cache generation did not shut down cleanly: %s", exc)

@@ -1,0 +1,124 @@
+"""Weights changed in place while serving: after vLLM's connector reset, no chunk
+computed before it is ever a HIT, here or from anywhere it was copied."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvstrata.connector.compat import HAS_RESET_FLUSHED, LookupResult, ScheduleEndContext
+from kvstrata.connector.weight_updates import WeightGenerations
+from tests.connector.harness import step
+from tests.connector.test_manager import (  # noqa: F401 - fixtures
+    SLOT,
+    _close_managers,
+    clock,
+    ctx,
+    make_manager,
+    new_store,
+    store_and_config,
+    store_keys,
+)
+from tests.utils import key, layout
+
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+OLD = dataclasses.replace(layout(worker_bytes=SLOT), model_identity="weights-v1")
+
+
+def settled(manager, k, req="reader") -> LookupResult:
+    """The answer once the manager has heard from the store since now (RETRY means: ask next step)."""
+    step(manager)
+    for _ in range(20):
+        answer = manager.lookup(k, ctx(req))
+        if answer is not RETRY:
+            return answer
+        step(manager)
+    raise AssertionError("still RETRY after 20 steps")
+
+
+def generations(store, cfg, fail: bool = False) -> WeightGenerations:
+    def start(generation: int):
+        if fail:
+            raise ConnectionError("node store unreachable")
+        lay = dataclasses.replace(OLD, model_identity=f"weights-v1-updated-{generation}")
+        return make_manager(store, cfg, holder=f"engine-a-g{generation}", lay=lay)
+
+    return WeightGenerations(make_manager(store, cfg, holder="engine-a", lay=OLD), start)
+
+
+def test_after_a_reset_old_weights_chunks_are_never_hits_even_when_stored_again(new_store):
+    """Another engine still on the old weights (here, or on a node whose chunks reach this
+    one by peer fetch, upload or a late commit) puts the old namespace's chunks back after
+    this engine's reset. A purge alone then serves them; a new generation never does."""
+    store, cfg = new_store(slots=64)  # four engines' stocks and their chunks, none evicted
+    engine = generations(store, cfg)
+    purge_only = make_manager(store, cfg, holder="engine-p", lay=OLD)  # the control: reset = purge
+    store_keys(engine, [key(1)])
+    assert settled(engine, key(1)) is HIT and settled(purge_only, key(1)) is HIT
+    engine.on_new_request(ctx("across"))  # a request that goes on across the reset
+
+    engine.reset_cache()
+    purge_only.reset_cache()
+    step(engine)
+    step(purge_only)
+    assert store.keys(purge_only.namespace) == []  # the old namespace is purged on this node, as before
+    other = make_manager(store, cfg, holder="engine-b", lay=OLD)  # still serving the old weights
+    store_keys(other, [key(1), key(2)])
+
+    assert settled(purge_only, key(2)) is HIT  # what the reset alone would have served
+    assert settled(engine, key(1)) is MISS and settled(engine, key(2)) is MISS
+    assert engine.generation == 1 and engine.namespace != purge_only.namespace
+    # The new weights' own chunks are hits, also for the request that spanned the reset.
+    store_keys(engine, [key(3)], req="across")
+    assert settled(engine, key(3)) is HIT
+    engine.on_request_finished(ctx("across"))
+    assert engine.wait_retired(10)
+
+
+def test_a_load_in_flight_at_the_reset_keeps_its_slot_until_vllm_flushed_it(store_and_config):
+    store, cfg = store_and_config
+    engine = generations(store, cfg)
+    store_keys(engine, [key(1)])
+    assert settled(engine, key(1)) is HIT
+    old_namespace = engine.namespace
+    engine.prepare_load([key(1)], ctx())  # vLLM is reading the slot when the reset comes
+    engine.reset_cache()
+    pool = store.arena.pools[old_namespace]
+    step(engine)
+    assert engine.wait_retired(10)
+    assert store.keys(old_namespace) == []
+    if HAS_RESET_FLUSHED:  # 0.33: only vLLM's word that the workers are done frees it
+        step(engine)
+        assert engine.wait_retired(10)
+        assert pool.stats()["orphans"] == 1  # purged from the index, its bytes still pinned
+        engine.on_reset_flushed()
+        step(engine)
+        assert engine.wait_retired(10)
+    assert pool.stats()["pinned"] == 0 and pool.stats()["orphans"] == 0
+
+
+def test_a_generation_that_cannot_start_recomputes_everything(store_and_config, caplog):
+    store, cfg = store_and_config
+    engine = generations(store, cfg, fail=True)
+    store_keys(engine, [key(1)])
+    engine.reset_cache()
+    assert "could not start a new cache generation" in caplog.text
+    assert engine.lookup(key(1), ctx()) is MISS
+    assert engine.prepare_store([key(2)], ctx()) is None
+    engine.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))  # retires the old one
+    assert engine.wait_retired(10)
+
+
+def test_counters_of_the_old_generation_are_reported_once(store_and_config):
+    store, cfg = store_and_config
+    engine = generations(store, cfg)
+    engine.get_stats()
+    store_keys(engine, [key(1), key(2)])
+    engine.reset_cache()
+    if HAS_RESET_FLUSHED:
+        engine.on_reset_flushed()
+    step(engine)
+    stored = engine.get_stats().reduce()
+    assert any(name.endswith("chunks_stored") and value == 2 for name, value in stored.items()), stored
+    again = engine.get_stats().reduce()
+    assert all(value == 0 for name, value in again.items() if name.endswith("chunks_stored")), again
+    assert engine.wait_retired(10)
