@@ -41,9 +41,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--events-per-seed", type=int, default=20_000)
     parser.add_argument("--shrink-seconds", type=float, default=120.0)
+    parser.add_argument("--progress", action="store_true", help="a line after each seed (long runs in the background)")
     parser.add_argument(
-        "--purge-and-disk-races", action="store_true",
-        help="also weight updates (purges racing jobs in flight) and the disk index check (issue #37, 3 and 4)",
+        "--no-purge-races", action="store_true",
+        help="leave out weight updates (purges racing the work in flight) and the disk index check (#37, 3 and 4)",
     )  # fmt: skip
     parser.add_argument("--replay", help="a trace printed by a failing run (a file, or the JSON itself)")
     parser.add_argument("--scenarios", action="store_true", help="run the fixed interleavings of issue #37")
@@ -80,7 +81,7 @@ def main() -> int:
     events, seed = 0, args.seed
     while time.perf_counter() < deadline and (args.events is None or events < args.events):
         budget = args.events_per_seed if args.events is None else min(args.events_per_seed, args.events - events)
-        result = run_seed(seed, budget, deadline, args.purge_and_disk_races)
+        result = run_seed(seed, budget, deadline, not args.no_purge_races)
         events += result.events
         if result.violations:
             seconds = time.perf_counter() - started
@@ -91,6 +92,9 @@ def main() -> int:
             print(result.trace())
             print(f"{events} events, {events / seconds:.0f} events/s, 1 violations")
             return 1
+        if args.progress:
+            seconds = time.perf_counter() - started
+            print(f"seed {seed}: {events} events, {events / seconds:.0f} events/s, 0 violations", flush=True)
         seed += 1
     seconds = time.perf_counter() - started
     print(f"seeds {args.seed}..{seed - 1}")

@@ -1,11 +1,15 @@
 """Background jobs as events: executors the simulation runs one job at a time, when it chooses.
 
-`SimExecutor` stands in for a store's thread pools (disk I/O, object jobs): `submit`
+The node store asks an `ExecutorFactory` for one executor per role (actors/executors.py:
+`disk`, `object`, `peer`, `disk-digest`). The simulation gives it `SimExecutor`s: `submit`
 queues the job and returns its future; the job runs only when the simulation's scheduler
-picks it (`World.run_job`), whole, on the simulation's thread. `InlineExecutor` stands in
-for pools that are joined inside the job that uses them (the disk tier's digest threads,
-the object tier's fan-out): they are no concurrency point of their own, so they run at
-`submit`.
+picks it (`World.act_job`), whole, on the simulation's thread. All roles share one
+`JobQueue`, so a job is picked among every job in flight. The `disk-digest` role runs a
+disk write's checksums when submitted (the write waits on them) and queues a read's
+(`verify`): a promotion's read and its commit are then two events, with anything between
+them; its queue runs oldest first (a read's pieces are checked in order, each waiting on
+the one before). The object tier's own fan-out pool, joined inside each of its jobs, runs
+inline (`InlineExecutor`).
 
 Invariants: a job runs at most once; a job of an executor that was shut down (a store
 that crashed) never runs; a job that raises is recorded, never swallowed.
@@ -60,15 +64,24 @@ class JobQueue:
 
 
 class SimExecutor(Executor):
-    def __init__(self, queue: JobQueue, name: str):
+    """`queued`: which jobs wait to be picked (the rest run when submitted); `fifo`: the
+    scheduler runs this executor's oldest job whichever it picked."""
+
+    def __init__(self, queue: JobQueue, name: str, queued: Callable[[str], bool] = lambda name: True, fifo: bool = False):
         self.queue = queue
         self.name = name
+        self.queued = queued
+        self.fifo = fifo
         self.closed = False
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         if self.closed:
             raise RuntimeError(f"cannot schedule new futures after shutdown ({self.name})")
-        return self.queue.add(self, fn, args, kwargs).future
+        job = self.queue.add(self, fn, args, kwargs)
+        if not self.queued(job.name):
+            del self.queue.pending[job.id]
+            job.run()
+        return job.future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """A store that goes away: its queued jobs never run (as in a crash)."""
@@ -76,16 +89,3 @@ class SimExecutor(Executor):
         for job in [job for job in self.queue.pending.values() if job.owner is self]:
             del self.queue.pending[job.id]
             job.future.cancel()
-
-
-class InlineExecutor(Executor):
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - the caller's future carries it
-            future.set_exception(exc)
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        pass

@@ -27,7 +27,7 @@ from kvstrata.sim.world import SimConfig, World
 Action = tuple
 
 
-def config_for(seed: int, purge_and_disk_races: bool = False) -> SimConfig:
+def config_for(seed: int, purge_and_disk_races: bool = True) -> SimConfig:
     """The world a seed runs: 1-3 engines, write policies, arena and disk sizes, reset orders."""
     rng = random.Random(f"config-{seed}")
     engines = rng.choice((1, 2, 2, 3))
@@ -117,7 +117,7 @@ class RunResult:
         return json.dumps({"seed": self.seed, "config": self.config.__dict__, "actions": self.actions})
 
 
-def run_seed(seed: int, max_events: int, deadline: float | None = None, purge_and_disk_races: bool = False) -> RunResult:
+def run_seed(seed: int, max_events: int, deadline: float | None = None, purge_and_disk_races: bool = True) -> RunResult:
     """Run one seed until a violation, `max_events` actions or the wall-clock `deadline`."""
     config = config_for(seed, purge_and_disk_races)
     world = World(config)

@@ -29,7 +29,8 @@ from kvstrata.keys import Layout, make_key
 from kvstrata.sim import invariants
 from kvstrata.sim.channel import DELIVERED, DONE, PENDING, Call
 from kvstrata.sim.engine import Copy, SimEngine
-from kvstrata.sim.executors import InlineExecutor, JobQueue, SimExecutor
+from kvstrata.actors.executors import InlineExecutor
+from kvstrata.sim.executors import JobQueue, SimExecutor
 from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.records import HEADER_BYTES
 
@@ -72,9 +73,10 @@ class SimConfig:
     prefix_chunks: int = 4
     prompts: int = 16
     flush_signal: tuple[bool, ...] = (False, True, False)  # per engine: vLLM 0.33's reset order
-    # Weight updates (every engine resets, the namespace's bytes change) and the checks that
-    # nothing of a purged namespace survives its jobs in flight, and that the disk index and
-    # its records agree: findings 3 and 4 of issue #37, fixed on the `store-purge` branch.
+    # Weight updates (engines move to the model's new namespace, the old one is purged while
+    # its work is in flight) and the checks that nothing of a purged namespace survives that
+    # work, and that the disk index and its records agree: findings 3 and 4 of issue #37
+    # (fixed on the `store-purge` branch). Random runs have them on.
     purge_and_disk_races: bool = False
 
 
@@ -86,11 +88,11 @@ class Stall:
 
 @dataclass
 class PurgeWatch:
-    """A purge applied at `at`, and the store jobs queued before it that have not run yet."""
+    """A purge of `namespace`, and its work in flight not run yet: the store's jobs queued
+    then (its own included), and the jobs those queue."""
 
-    at: float
+    namespace: str
     jobs: set[int]
-    generation: int
 
 
 class World:
@@ -116,18 +118,23 @@ class World:
         self._expected: dict[tuple[bytes, int], bytes] = {}
         self.raw_config = self._raw_config()
         self.kv_config = load_config(self.raw_config)
-        self.layout = Layout(
-            model=NAMESPACE_MODEL, dtype="float32", kv_cache_layout="", tokens_per_block=(32,), group_ids=(0,),
-            tokens_per_hash=32, blocks_per_chunk=1, worker_kv_bytes_per_block=SLOT, world_size=1, tp_size=1,
-            pp_size=1, pcp_size=1, dcp_size=1, hash_algo="sha256",
-        )  # fmt: skip
-        self.namespace = self.layout.namespace
+        self._set_layout()
         self.prompts = self._make_prompts()
         self.store: NodeStore = self._start_store()
         self.incarnations = [0] * config.engines
         self.engines = [self._start_engine(i) for i in range(config.engines)]
 
     # --- set-up --------------------------------------------------------------------------
+
+    def _set_layout(self) -> None:
+        """The engines' layout: the model's weights version is part of its identity, so a
+        weight update starts a new namespace (as `model_identity` makes it in production)."""
+        self.layout = Layout(
+            model=f"{NAMESPACE_MODEL}-w{self.generation}", dtype="float32", kv_cache_layout="", tokens_per_block=(32,),
+            group_ids=(0,), tokens_per_hash=32, blocks_per_chunk=1, worker_kv_bytes_per_block=SLOT, world_size=1,
+            tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, hash_algo="sha256",
+        )  # fmt: skip
+        self.namespace = self.layout.namespace
 
     def _raw_config(self) -> dict:
         c = self.config
@@ -161,16 +168,19 @@ class World:
         return prompts
 
     def _start_store(self) -> NodeStore:
-        store = NodeStore(self.raw_config, "simnode", clock=self.clock, executors=lambda n, name: SimExecutor(self.jobs, name))
-        # The tiers' own pools are joined inside the job that uses them: no concurrency point.
-        if store.disk is not None:
-            store.disk._digests.shutdown(wait=True)
-            store.disk._digests = InlineExecutor()
+        store = NodeStore(self.raw_config, "simnode", clock=self.clock, executors=self._executor)
+        # The object tier's own pool is joined inside each of its jobs: no concurrency point.
         if store.object is not None:
             store.object._pool.shutdown(wait=True)
             store.object._pool = InlineExecutor()
         self.arenas[store.arena.epoch] = store.arena
         return store
+
+    def _executor(self, role: str, threads: int) -> SimExecutor:
+        """The store's executor of a role (actors/executors.py): every job an event."""
+        if role == "disk-digest":  # a write waits on its checksums; a read's land later, in order
+            return SimExecutor(self.jobs, role, queued=lambda name: name == "verify", fifo=True)
+        return SimExecutor(self.jobs, role)
 
     def _start_engine(self, index: int) -> SimEngine:
         self.incarnations[index] += 1
@@ -300,7 +310,6 @@ class World:
     def _deliver(self, call: Call) -> None:
         call.deliveries += 1
         self.heard[call.request.holder] = self.clock()
-        before = set(self.jobs.pending)
         try:
             reply = self.store.step(call.request)
         except Exception as exc:  # noqa: BLE001 - the store's answer is an error: the channel sees it
@@ -308,8 +317,9 @@ class World:
             reply = None
         call.reply = reply if call.reply is None else call.reply
         self.served_at = self.clock()
-        if call.request.purge:
-            self.purges.append(PurgeWatch(self.clock(), before, self.generation))
+        applied = reply is not None and reply.epoch == call.request.epoch and not reply.stale and not reply.rejected
+        if call.request.purge and applied:  # settled once every job in flight now (its own included) ran
+            self.purges.append(PurgeWatch(call.request.namespace, set(self.jobs.pending)))
         if call.state == PENDING:
             if call.awaited:
                 call.state = DELIVERED
@@ -378,12 +388,18 @@ class World:
         if not self.jobs.pending:
             return False
         job = list(self.jobs.pending.values())[r % len(self.jobs.pending)]
+        if job.owner.fifo:
+            job = next(j for j in self.jobs.pending.values() if j.owner is job.owner)
         del self.jobs.pending[job.id]
+        before = set(self.jobs.pending)
         exc = job.run()
         if exc is not None:
             self.violation(f"background job {job.name} raised {exc!r}")
+        spawned = set(self.jobs.pending) - before  # (a bucket purge waits for the uploads before it)
         for watch in self.purges:
-            watch.jobs.discard(job.id)
+            if job.id in watch.jobs:
+                watch.jobs.discard(job.id)
+                watch.jobs |= spawned
         return True
 
     def act_land(self, e: int, r: int) -> bool:
@@ -422,13 +438,27 @@ class World:
         return True
 
     def act_update_weights(self) -> bool:
-        """Every engine's weights change in place: the namespace's bytes change, every engine resets."""
+        """The weights change in place (an RL weight sync): every engine finishes its copies
+        and shuts down, new ones start on the model's new identity (a new namespace, bytes
+        of the new generation), and the old namespace is purged on the node (`kvstrata
+        purge`) while its work may still be in flight."""
         if not self.config.purge_and_disk_races:
             return False
-        self.generation += 1
-        for engine in self.engines:
+        for engine in self.engines:  # (a crashed engine was replaced at its crash: all are alive)
             if engine.alive:
-                engine.reset()
+                for copy in list(engine.copies.values()):
+                    self.land(copy)
+                engine.shut_down()
+                for call in self.calls.values():
+                    if call.engine == engine.index:
+                        call.awaited = False
+        old = self.namespace
+        self.generation += 1
+        self._set_layout()
+        self.store.purge(old)
+        self.served_at = self.clock()
+        self.purges.append(PurgeWatch(old, set(self.jobs.pending)))
+        self.engines = [self._start_engine(i) for i in range(len(self.engines))]
         return True
 
     def act_stall(self, ms: float) -> bool:
@@ -450,7 +480,7 @@ class World:
             if executor is not None:
                 executor.shutdown()
         if old.disk is not None:
-            old.disk.close()
+            old.disk.close()  # (its checksums in flight are dropped with it)
         self.purges.clear()
         self.store = self._start_store()
         return True
