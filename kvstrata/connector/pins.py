@@ -344,7 +344,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             self._reset_releases.extend(self._storing.values())
             self._storing.clear()
             # Stores done before the reset, not committed yet: their chunks are of the old
-            # namespace (the purge would come before their commit), their slots go back.
+            # namespace (the store would purge them right after committing), their slots go back.
             self._out_release.extend(slot for slot, _ in self._out_commit)
             self._out_commit.clear()
             self._reset_steps_left = self._reset_steps
