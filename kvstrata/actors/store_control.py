@@ -38,7 +38,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,6 +68,9 @@ class Session:
     nonce: str  # the registering engine's own nonce: its registration again is no stranger's
     rid: int = 0  # the last request id applied
     reply: StepReply | None = None  # its answer, sent again if the engine repeats the call
+    # namespace -> its purge generation when the holder last heard from this store: commits
+    # sent before it heard of a later purge are of chunks stored before that purge.
+    generations: dict[str, int] = field(default_factory=dict)
 
 
 class StoreControl(Cascade, Promotion, ObjectIndex):
@@ -132,6 +135,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             if bound is None:
                 bound = self._holders[holder] = f"{self.arena.epoch}.{secrets.token_hex(8)}"
                 self._sessions[holder] = Session(nonce)
+            self._sessions[holder].generations[namespace] = self._generation(namespace)
             pool = self._pool(namespace, slot_bytes)
             anchors = (layout or {}).get("anchor_groups")
             pool.positions.set_anchor_groups(anchors)
@@ -207,6 +211,13 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 len(refused), request.holder, refused[0],
             )  # fmt: skip
         committed, rejected = pool.commit_many(request.holder, request.commit)
+        heard = self._sessions[request.holder].generations
+        if committed and self._purged_since(namespace, heard.get(namespace, self._generation(namespace))):
+            # Stored before its engine heard of a purge of the namespace (a call Ray ran
+            # late, an engine that crashed): the slots stay the engine's (its pins), the
+            # chunks are not indexed again (purge.py: nothing from before a purge survives it).
+            pool.purge([key for key, _ in committed])
+            committed = []
         if self.audit is not None:
             for key, slot in committed:
                 self.audit.committed(namespace, key, pool.view(slot))
@@ -241,6 +252,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             logger.warning(
                 "kvstrata node store: rejected %d commits of %s: %s", len(rejected), request.holder, rejected[0]
             )
+        heard[namespace] = self._generation(namespace)  # this answer tells of every purge so far
         log = self._log(namespace)
         since = log.since(request.known_seq)
         snapshot = since is None

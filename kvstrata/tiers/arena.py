@@ -344,10 +344,10 @@ class SlotPool:
         self.release(holder, reserved)
         return len(pinned) + len(reserved)
 
-    def purge(self) -> int:
-        """Drop every indexed chunk; pinned ones become orphans until unpinned."""
-        removed = 0
-        for key, slot in list(self._slot_of.items()):
+    def purge(self, keys: Iterable[bytes] | None = None) -> int:
+        """Drop every indexed chunk (or those of `keys`); pinned ones become orphans until unpinned."""
+        removed, slot_of = 0, self._slot_of
+        for key, slot in list(slot_of.items()) if keys is None else [(k, slot_of[k]) for k in keys if k in slot_of]:
             self._remove_index(key, slot)
             if slot in self._pins:
                 self._orphans.add(slot)

@@ -85,3 +85,20 @@ def test_silence_outside_the_stores_calls_still_ends_a_lease(store, clock):
     clock.advance(11)
     register(store, "other")
     assert "engine" not in store._holders
+
+
+def test_commits_sent_before_the_engine_heard_of_a_purge_are_not_indexed_after_it(store):
+    """A call carrying commits of chunks stored before a purge, applied after it (Ray ran it
+    late; its engine crashed): the chunks stay out of every tier, and the slots stay the
+    engine's pins. Once the engine has an answer from after the purge, its commits count
+    again (found by the simulation's long run: seed 1220, a crashed engine's call delivered
+    after a weight update's purge)."""
+    epoch = register(store, "engine")
+    first, second = store.step(StepRequest("engine", NS, epoch=epoch, reserve=2, rid=1)).reserved
+    store.purge(NS)  # `kvstrata purge`, or another engine's reset
+    late = store.step(StepRequest("engine", NS, epoch=epoch, commit=[(first, b"k-before")], rid=2))
+    pool = store.arena.pools[NS]
+    assert not late.rejected and b"k-before" not in pool and len(pool) == 0
+    assert pool.holdings("engine") == (1, 1)  # the engine's pin of the slot it wrote
+    store.step(StepRequest("engine", NS, epoch=epoch, commit=[(second, b"k-after")], rid=3))
+    assert pool.lookup(b"k-after") == second
