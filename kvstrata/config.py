@@ -227,7 +227,10 @@ class EngineConfig(_Strict):
     lease_seconds: float = Field(
         default=30.0,
         gt=0,
-        description="pins and reservations of an engine that stops renewing expire after this",
+        description="pins and reservations of an engine that stops renewing expire after this (the store's "
+        "setting; time the store spent stalled in one call does not count); an idle engine sends a heartbeat "
+        "every third of its own, and an engine whose last answer from the store is older than half the "
+        "store's lease answers no HIT from its own state and stores nothing",
     )
     reserve_slots: int = Field(
         default=32, ge=1, description="free slots kept reserved so prepare_store never waits"
@@ -252,6 +255,13 @@ class EngineConfig(_Strict):
         gt=0,
         description="longest a request waits (RETRY) for its chunks to be located or promoted "
         "before its lookups answer MISS and it recomputes",
+    )
+    view_wait_steps: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="longest a request waits, in this engine's own scheduler steps, for a store that has "
+        "not answered since (a fresher view, a pin): then it is answered from what the engine knows",
     )
     copy_threads: int = Field(
         default=2,

@@ -28,7 +28,7 @@ FORBIDDEN = {
     "kvstrata.config": ("kvstrata.tiers", "kvstrata.actors", "kvstrata.connector", "kvstrata.routing", "ray", "vllm"),
 }
 VLLM_GATEWAY = "kvstrata.connector.compat"
-OUTSIDE_LAYERS = ("kvstrata.testing", "kvstrata.faults")
+OUTSIDE_LAYERS = ("kvstrata.testing", "kvstrata.faults", "kvstrata.sim")
 
 
 def module_name(path: Path) -> str:

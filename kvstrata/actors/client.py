@@ -132,8 +132,9 @@ class RayStoreClient:
         layout: Mapping[str, object] | None = None,
         watch: bool = False,
         epoch: str = "",
+        nonce: str = "",
     ) -> Registration:
-        return self._call("register", holder, namespace, slot_bytes, layout, watch, epoch)
+        return self._call("register", holder, namespace, slot_bytes, layout, watch, epoch, nonce)
 
     def step(self, request: StepRequest) -> StepReply:
         return self._call("step", request)

@@ -33,8 +33,9 @@ class LocalStoreClient:
         layout: Mapping[str, object] | None = None,
         watch: bool = False,
         epoch: str = "",
+        nonce: str = "",
     ) -> Registration:
-        return self.store.register(holder, namespace, slot_bytes, layout, watch, epoch)
+        return self.store.register(holder, namespace, slot_bytes, layout, watch, epoch, nonce)
 
     def step(self, request: StepRequest) -> StepReply:
         return self.store.step(request)

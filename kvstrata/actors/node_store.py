@@ -98,6 +98,7 @@ class NodeStore(StoreControl):
         self.layouts = {}
         self._registered = set()
         self._holders = {}
+        self._sessions = {}
         self._recompute_rates = {}
         self.counters = {
             "promotions": 0,
@@ -212,7 +213,7 @@ class NodeStore(StoreControl):
         ...) is a ValueError naming it, before anything is removed."""
         if namespace is not None:
             check_namespace(namespace)
-        with self._lock:
+        with self._serving(), self._lock:
             namespaces = list(self._logs) if namespace is None else [namespace]
             removed = sum(self._purge(ns) for ns in namespaces)
         logger.info("kvstrata node store: purged %d chunks (namespace %s)", removed, namespace or "all")

@@ -3,6 +3,13 @@
 One `StepRequest` per scheduler step at most, never carrying KV bytes: keys, slot
 numbers and counts only. Requests merge, so a manager that produced several steps'
 worth while a call was in flight sends them as one.
+
+Exactly once, in order: each request an engine sends carries a request id (`rid`), one
+more than the last, and the engine sends the next only once the last was answered. A call
+that failed or timed out is sent again *as itself* (same id, same content): the store
+applies an id once, answers a repeat of its last id with the answer it kept, and ignores
+an older id (a timed-out call that Ray ran late). So the store applies an engine's
+requests exactly in the order the engine built them, whatever the calls' fates.
 """
 
 from __future__ import annotations
@@ -23,9 +30,9 @@ class StepRequest:
     hold: list[tuple[bytes, int]] = field(default_factory=list)
     # Resident keys the engine saw reused (offered again, GPU prefix hits): recency only.
     touch: list[bytes] = field(default_factory=list)
-    # Applied after `hold`: a slot both held and unpinned ends unpinned. An unpin that an
-    # engine sent *before* holding the slot again must not travel with that hold (see
-    # `unpins_before_holds`).
+    # Each undoes one pin of the slot the engine holds (the store counts an engine's pins
+    # of a slot: an unpin of an old pin never undoes a newer one, in any order; #29, #37).
+    # Applied after `hold` and `commit`, before `pin`.
     unpin: list[int] = field(default_factory=list)
     commit: list[tuple[int, bytes]] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
@@ -35,6 +42,12 @@ class StepRequest:
     # The engine's prefill rate (admission.load: configured or measured; 0 = not known):
     # the store only reports it (`kvstrata status`), so it never makes a call worth sending.
     recompute_tokens_per_second: float = 0.0
+    # This request's id among the engine's (set when it is queued; 0 = none: applied every
+    # time it arrives, and not remembered: tools and tests).
+    rid: int = 0
+    # How many times the engine had reset its cache when it built this (the store ignores
+    # it): the answer to a request built before a reset is of the purged namespace.
+    resets: int = 0
 
     def is_empty(self) -> bool:
         return not (
@@ -42,7 +55,8 @@ class StepRequest:
         )
 
     def merge(self, later: "StepRequest") -> "StepRequest":
-        """Combine two requests in order; slots of an older store epoch are dropped."""
+        """Combine two requests in order; slots of an older store epoch are dropped (the
+        store commits a request's commits before its purge: those sent with it are older)."""
         if later.epoch != self.epoch:
             return later
         return StepRequest(
@@ -53,32 +67,15 @@ class StepRequest:
             pin=self.pin + later.pin,
             hold=self.hold + later.hold,
             touch=self.touch + later.touch,
-            unpin=unpins_before_holds(self.unpin, later.hold) + later.unpin,
+            unpin=self.unpin + later.unpin,
             commit=self.commit + later.commit,
             release=self.release + later.release,
             reserve=self.reserve + later.reserve,
             purge=self.purge or later.purge,
             recompute_tokens_per_second=later.recompute_tokens_per_second or self.recompute_tokens_per_second,
+            resets=max(self.resets, later.resets),
+            rid=max(self.rid, later.rid),
         )
-
-
-def unpins_before_holds(unpin: list[int], hold: list[tuple[bytes, int]]) -> list[int]:
-    """`unpin` less the slots that `hold`, sent after it, pins again.
-
-    Why: the store applies a request's holds before its unpins (a hold must come before
-    the acknowledgement it guards, and the unpins of HITs released after their hold must
-    win). An engine that released a pin and then, from its mirror, answered a new HIT from
-    the same slot has an older unpin and a newer hold of that slot; sent together (its
-    calls merged while the store was busy, or a failed call's unpins sent again) they
-    would leave the slot unpinned under the new HIT's load, and the store could hand it
-    to a promotion meanwhile (measured in the fault matrix: a request loaded another
-    chunk's bytes, #29). Dropping the unpin keeps the slot pinned throughout, as applying
-    the two in order would: the store's pins are one per holder and slot, not counted.
-    """
-    if not hold or not unpin:
-        return unpin
-    held = {slot for _, slot in hold}
-    return [slot for slot in unpin if slot not in held]
 
 
 @dataclass
@@ -105,6 +102,9 @@ class StepReply:
     indexed: bool = True
     # What each lower tier delivers lately: tier -> (latency s, bytes/s, age s) (admission.load).
     costs: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # True: the answer to a request id older than the last the store applied (a late or
+    # repeated call): nothing was applied, nothing here is news.
+    stale: bool = False
 
 
 @dataclass
@@ -118,3 +118,5 @@ class Registration:
     changes: list[tuple[bytes, str, bool]]  # everything present, as in a snapshot reply
     slots: dict[bytes, int] = field(default_factory=dict)  # as in StepReply
     indexed: bool = True  # as in StepReply
+    # The store's lease: an engine that had no answer for half of it answers no HIT.
+    lease_seconds: float = 0.0

@@ -13,8 +13,13 @@ a namespace (purge.py purges it, after the step's commits).
 Invariants: `register` and `step` run under the store lock and first expire dead
 engines' leases; a registration binds its holder name to the engine that made it (the
 epoch it returns, the store's epoch and a token, must come with every step and the
-release; a second engine naming a live holder is refused), until the holder's lease
-runs out or it is released; a step for an unknown namespace or from a holder that is
+release; a second engine naming a live holder is refused, while the same engine
+registering again -- its answer was lost -- is known by the nonce it sends and gets the
+same binding back), until the holder's lease runs out or it is released; a bound
+holder's step is applied exactly once per request id: a repeat of the last id is
+answered with the answer kept for it, an older id is answered `stale` and applied not at
+all (protocol.py); a call during which the store stalled longer than `STALL_SECONDS`
+does not count against any lease (leases.py); a step for an unknown namespace or from a holder that is
 not bound (a restarted store, an expired lease) is answered with the store's epoch and
 nothing else, so the engine registers again (and forgets every pin it had); a bound
 holder's step with another epoch is answered with the holder's epoch and nothing else;
@@ -31,7 +36,9 @@ reserved slots); it calls their entry points (`_copy_commits`, `_attach_write_ba
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,13 +56,44 @@ from kvstrata.tiers.records import chunk_digest
 # An engine's stock of free reserved slots is capped at this share of a pool: a larger
 # stock evicts chunks only to keep slots empty.
 MAX_RESERVED_SHARE = 4
+# A call that kept the store busy longer than this is a stall of the store: its time is
+# given back to every lease (no engine could renew meanwhile).
+STALL_SECONDS = 1.0
+
+
+@dataclass
+class Session:
+    """A bound holder's control calls: who registered it, and the last request applied."""
+
+    nonce: str  # the registering engine's own nonce: its registration again is no stranger's
+    rid: int = 0  # the last request id applied
+    reply: StepReply | None = None  # its answer, sent again if the engine repeats the call
+    # namespace -> its purge generation when the holder last heard from this store: commits
+    # sent before it heard of a later purge are of chunks stored before that purge.
+    generations: dict[str, int] = field(default_factory=dict)
 
 
 class StoreControl(Cascade, Promotion, ObjectIndex):
     """Mixin of `NodeStore`: the calls engines make, over the parts that do the I/O."""
 
+    _sessions: dict[str, Session]  # bound holder -> its session (built by NodeStore)
+
     def ping(self) -> str:
         return self.arena.epoch
+
+    @contextmanager
+    def _serving(self) -> Iterator[None]:
+        """Around each call engines make: a call that took longer than `STALL_SECONDS` (the
+        store's own stall) is not counted against any lease."""
+        started = self._clock()
+        try:
+            yield
+        finally:
+            stalled = self._clock() - started
+            if stalled > STALL_SECONDS:
+                with self._lock:
+                    self.arena.leases.discount(stalled)
+                logger.warning("kvstrata node store: one call took %.1fs; leases extended by as much", stalled)
 
     def register(
         self,
@@ -65,6 +103,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         layout: Mapping[str, object] | None = None,
         watch: bool = False,
         epoch: str = "",
+        nonce: str = "",
     ) -> Registration:
         """Open (or create) the pool of a namespace for an engine and start its lease.
 
@@ -73,17 +112,21 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         `epoch`: the one this holder's live registration returned, if any; a holder name
         that is live here and registered by someone else (another epoch or none) is a
         ValueError: two engines sharing a holder would release each other's pins.
+        `nonce`: the registering engine's own secret, the same for all its registrations:
+        an engine whose registration's answer was lost (it never learned the epoch) gets
+        the same binding again rather than a refusal.
         A bad holder, namespace or `namespace_prefix` is a ValueError naming it (`kvstrata.namespaces`).
         """
         check_holder(holder)
         check_namespace(namespace)
         if layout is not None:
             check_tenant(layout.get("namespace_prefix", ""))
-        with self._lock:
+        with self._serving(), self._lock:
             self._expire()
             check_registration(self, namespace, layout)  # registration_check.py: the layout is the namespace's
             bound = self._holders.get(holder)
-            if bound is not None and epoch != bound:
+            session = self._sessions.get(holder)
+            if bound is not None and epoch != bound and not (nonce and session is not None and nonce == session.nonce):
                 self.counters["holders_refused"] += 1
                 raise ValueError(
                     f"holder {holder!r} is already registered by another engine on this node store; "
@@ -91,6 +134,8 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 )
             if bound is None:
                 bound = self._holders[holder] = f"{self.arena.epoch}.{secrets.token_hex(8)}"
+                self._sessions[holder] = Session(nonce)
+            self._sessions[holder].generations[namespace] = self._generation(namespace)
             pool = self._pool(namespace, slot_bytes)
             anchors = (layout or {}).get("anchor_groups")
             pool.positions.set_anchor_groups(anchors)
@@ -115,13 +160,14 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 changes=changes,
                 slots=self._slots_of(pool, changes),
                 indexed=self._indexed(namespace),
+                lease_seconds=self.arena.leases.duration_s,
             )
 
     def step(self, request: StepRequest) -> StepReply:
-        """Apply one (merged) control batch of an engine and answer it."""
+        """Apply one (merged) control batch of an engine and answer it (once per request id)."""
         check_holder(request.holder)
         check_namespace(request.namespace)
-        with self._lock:
+        with self._serving(), self._lock:
             self._expire()
             pool = self.arena.pools.get(request.namespace)
             bound = self._holders.get(request.holder)
@@ -137,77 +183,101 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
                 self.counters["holders_refused"] += 1
                 rejected = f"holder {request.holder} not registered with epoch {request.epoch!r} in {request.namespace}"
                 return StepReply(epoch=bound, seq=0, rejected=[rejected])
-            namespace = request.namespace
+            session = self._sessions[request.holder]
+            if request.rid and request.rid < session.rid:
+                # A call Ray ran late, after its engine moved on: applied never, and no sign
+                # that its engine still lives.
+                return StepReply(epoch=bound, seq=0, stale=True)
             self.arena.renew(request.holder)
-            if request.recompute_tokens_per_second:
-                self._recompute_rates[request.holder] = request.recompute_tokens_per_second
-            # Holds before anything else, and before the acknowledgement they guard.
-            refused = pool.hold(request.holder, request.hold)
-            pool.acknowledge(request.holder, request.known_seq)
-            self.counters["engine_pins"] += len(request.hold) - len(refused)
-            if refused:
-                logger.error(
-                    "kvstrata node store: %d HITs of %s lost their slot before their pin: %s",
-                    len(refused), request.holder, refused[0],
-                )  # fmt: skip
-            committed, rejected = pool.commit_many(request.holder, request.commit)
-            if self.audit is not None:
-                for key, slot in committed:
-                    self.audit.committed(namespace, key, pool.view(slot))
-            if committed:
-                self._copy_commits(namespace, pool, committed)
-            # After the commits: those sent with a purge were stored before it (purge.py).
-            purge_refused = []
-            if request.purge and (request.holder, namespace) in self._registered:
-                self._purge(namespace)
-            elif request.purge:
-                # Only an engine of the namespace may empty it (holders are self-asserted,
-                # but one that never registered it names no namespace of its own).
-                self.counters["purges_refused"] = self.counters.get("purges_refused", 0) + 1
-                purge_refused.append(f"purge of {namespace} refused: {request.holder} has not registered it")
-            self._refresh_object_index(namespace)
-            pool.release(request.holder, request.release)
-            pool.unpin(request.holder, request.unpin)
-            pool.touch(request.touch)
-            pinned = pool.pin(request.holder, request.pin)
-            self.counters["engine_pins"] += len(pinned)
-            self._copy_reused(namespace, pool, [key for key, _ in request.hold] + list(pinned))  # uses: admission.py
-            self._hints_step(namespace, pool, [key for key, _ in request.hold] + list(pinned))  # hints.py: held chunks used
-            promoting = self._promote(namespace, pool, [key for key in request.pin if key not in pinned])
-            pending = [key for key in request.pin if promoting.get(key)]
-            missing = [key for key in request.pin if promoting.get(key) is False]
-            self.counters["pins_missing"] += len(missing)
-            self._meter_engine_io(pool, len(request.hold) - len(refused) + len(pinned), len(committed))
-            reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
-            # The engine keeps its stock at or under the cap; slots it is still writing
-            # are not counted, so a busy engine's refill is never refused.
-            reserved = pool.reserve(request.holder, min(request.reserve, reserve_cap)) if request.reserve else []
-            if rejected:
-                logger.warning(
-                    "kvstrata node store: rejected %d commits of %s: %s", len(rejected), request.holder, rejected[0]
-                )
-            log = self._log(namespace)
-            since = log.since(request.known_seq)
-            snapshot = since is None
-            seq, changes = log.snapshot() if since is None else since
-            return StepReply(
-                epoch=bound,
-                seq=seq,
-                pinned=pinned,
-                missing=missing,
-                pending=pending,
-                reserved=reserved,
-                reserve_cap=reserve_cap,
-                changes=changes,
-                slots=self._slots_of(pool, changes),
-                snapshot=snapshot,
-                rejected=refused + rejected + purge_refused,
-                indexed=self._indexed(namespace),
-                costs=self._tier_costs(),
+            if request.rid and request.rid == session.rid and session.reply is not None:
+                return session.reply  # sent again after a timeout or a lost answer: applied once
+            reply = self._apply_step(request, pool, bound)
+            if request.rid:
+                session.rid, session.reply = request.rid, reply
+            return reply
+
+    def _apply_step(self, request: StepRequest, pool: SlotPool, bound: str) -> StepReply:
+        """Apply one request of a bound holder (under the lock) and build its answer."""
+        namespace = request.namespace
+        if request.recompute_tokens_per_second:
+            self._recompute_rates[request.holder] = request.recompute_tokens_per_second
+        # Holds before anything else, and before the acknowledgement they guard.
+        refused = pool.hold(request.holder, request.hold)
+        pool.acknowledge(request.holder, request.known_seq)
+        self.counters["engine_pins"] += len(request.hold) - len(refused)
+        if refused:
+            logger.error(
+                "kvstrata node store: %d HITs of %s lost their slot before their pin: %s",
+                len(refused), request.holder, refused[0],
+            )  # fmt: skip
+        committed, rejected = pool.commit_many(request.holder, request.commit)
+        heard = self._sessions[request.holder].generations
+        if committed and self._purged_since(namespace, heard.get(namespace, self._generation(namespace))):
+            # Stored before its engine heard of a purge of the namespace (a call Ray ran
+            # late, an engine that crashed): the slots stay the engine's (its pins), the
+            # chunks are not indexed again (purge.py: nothing from before a purge survives it).
+            pool.purge([key for key, _ in committed])
+            committed = []
+        if self.audit is not None:
+            for key, slot in committed:
+                self.audit.committed(namespace, key, pool.view(slot))
+        if committed:
+            self._copy_commits(namespace, pool, committed)
+        # After the commits: those sent with a purge were stored before it (purge.py).
+        purge_refused = []
+        if request.purge and (request.holder, namespace) in self._registered:
+            self._purge(namespace)
+        elif request.purge:
+            # Only an engine of the namespace may empty it (holders are self-asserted,
+            # but one that never registered it names no namespace of its own).
+            self.counters["purges_refused"] = self.counters.get("purges_refused", 0) + 1
+            purge_refused.append(f"purge of {namespace} refused: {request.holder} has not registered it")
+        self._refresh_object_index(namespace)
+        pool.release(request.holder, request.release)
+        pool.unpin(request.holder, request.unpin)
+        pool.touch(request.touch)
+        pinned = pool.pin(request.holder, request.pin)
+        self.counters["engine_pins"] += len(pinned)
+        self._copy_reused(namespace, pool, [key for key, _ in request.hold] + list(pinned))  # uses: admission.py
+        self._hints_step(namespace, pool, [key for key, _ in request.hold] + list(pinned))  # hints.py: held chunks used
+        promoting = self._promote(namespace, pool, [key for key in request.pin if key not in pinned])
+        pending = [key for key in request.pin if promoting.get(key)]
+        missing = [key for key in request.pin if promoting.get(key) is False]
+        self.counters["pins_missing"] += len(missing)
+        self._meter_engine_io(pool, len(request.hold) - len(refused) + len(pinned), len(committed))
+        reserve_cap = max(1, pool.max_slots // MAX_RESERVED_SHARE)
+        # The engine keeps its stock at or under the cap; slots it is still writing
+        # are not counted, so a busy engine's refill is never refused.
+        reserved = pool.reserve(request.holder, min(request.reserve, reserve_cap)) if request.reserve else []
+        if rejected:
+            logger.warning(
+                "kvstrata node store: rejected %d commits of %s: %s", len(rejected), request.holder, rejected[0]
             )
+        heard[namespace] = self._generation(namespace)  # this answer tells of every purge so far
+        log = self._log(namespace)
+        since = log.since(request.known_seq)
+        snapshot = since is None
+        seq, changes = log.snapshot() if since is None else since
+        return StepReply(
+            epoch=bound,
+            seq=seq,
+            pinned=pinned,
+            missing=missing,
+            pending=pending,
+            reserved=reserved,
+            reserve_cap=reserve_cap,
+            changes=changes,
+            slots=self._slots_of(pool, changes),
+            snapshot=snapshot,
+            rejected=refused + rejected + purge_refused,
+            indexed=self._indexed(namespace),
+            costs=self._tier_costs(),
+        )
 
     def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
         """Chunks another node's store asked for: (keys found, their xxh3-128, their bytes).
+
+        A hung disk read here stalls the store's other calls: it is measured (`_serving`).
 
         From the arena, else the disk (verified on read); absent ones are left out. Arena
         chunks go out as views of their slots: Ray copies them into its object store when
@@ -215,6 +285,10 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
         background thread writes a committed slot -- the one copy on this side. The
         receiver verifies every chunk against its digest anyway.
         """
+        with self._serving():
+            return self._export_chunks(namespace, keys)
+
+    def _export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[np.ndarray]]:
         found: list[bytes] = []
         chunks: list[np.ndarray] = []
         from_disk: list[bytes] = []
@@ -265,6 +339,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
 
     def _unbind(self, holder: str) -> None:
         self._holders.pop(holder, None)
+        self._sessions.pop(holder, None)
         self._recompute_rates.pop(holder, None)
         self._registered = {entry for entry in self._registered if entry[0] != holder}
 

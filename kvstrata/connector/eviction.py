@@ -7,7 +7,8 @@ first when the request finishes (`_touch_tail_first`), and at the end of a step 
 the chunks no request or load holds (`_release_idle_pins`).
 
 Writes: `_req_used` (entries added), `_to_touch` (appended), `_pinned` (idle pins
-removed), `_maybe_idle` (emptied), `_out_unpin` (appended). Invariants: rule 1 -- a pin
+removed), `_maybe_idle` (emptied), `_out_unpin` (appended: one unpin per pin the store
+holds for a local pin, `Pin.grants`). Invariants: rule 1 -- a pin
 some request still holds, or with a load in flight, is never released; every pin that
 loses its last holder is in `_maybe_idle` by the next step; a pin of an older store
 epoch is forgotten, never unpinned (its slot means nothing to the new store); only
@@ -67,6 +68,9 @@ class EvictionOrder(ManagerState):
                 continue
             del self._pinned[key]
             if not pin.recorded:
-                self._to_hold.remove((key, pin.slot))  # never sent: the store holds nothing
-            elif pin.epoch == self._epoch:
-                self._out_unpin.append(pin.slot)
+                self._to_hold.remove((key, pin.slot))  # never sent: nothing to undo for it
+            if pin.epoch == self._epoch:  # one unpin per pin the store holds (most hold one)
+                if pin.grants == 1:
+                    self._out_unpin.append(pin.slot)
+                elif pin.grants:
+                    self._out_unpin.extend([pin.slot] * pin.grants)

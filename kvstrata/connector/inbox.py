@@ -1,24 +1,26 @@
 """The store's replies: recorded on the control thread, applied on the scheduler's.
 
 The control thread calls `_receive_reply` / `_receive_failure` with each answer to a
-step request; they append to `_inbox` (and, when the store restarted, register again
-first: a blocking call, but on the control thread). `_drain_inbox` applies what arrived
-at safe points: on the control thread itself when no scheduling pass is open, else at
-the first lookup of the next pass, completion callbacks and the end of a step; never
-between a `lookup` that said HIT and the `prepare_load` that follows it in one pass.
+step request; they append to `_inbox` (and, when the store restarted or this engine's
+lease ran out, register again first: a blocking call, but on the control thread).
+`_drain_inbox` applies what arrived at safe points: on the control thread itself when
+no scheduling pass is open, else at the first lookup of the next pass, completion
+callbacks and the end of a step; never between a `lookup` that said HIT and the
+`prepare_load` that follows it in one pass.
 
 Applying writes the mirror and its freshness (`_mirror`, `_resident`, `_view_as_of`,
-`_seq`), what the store granted or refused (`_stock`, `_reserve_*`, `_pinned`,
-`_pin_waiters`, `_promoted`, `_to_pin`, `_req_keys`), operations to send again (`_out_*`,
-`_purge_requested`), events, counters, and after a restart the epoch and geometry.
+`_seq`), how long this engine can prove its lease (`_trusted_until`), what the store
+granted or refused (`_stock`, `_reserve_*`, `_pinned`, `_pin_waiters`, `_promoted`,
+`_to_pin`, `_to_hold`, `_req_keys`), operations to send again (`_out_unpin`), events,
+counters, and after a restart the epoch and geometry.
 
 Invariants: a reply to a request of an older epoch changes nothing but counters; a
-store restart drops every pin but those with a load in flight (rule 1) and every slot
-and queued operation of the old epoch; the control thread holds `_lock` only to append
-and apply (rule 2: the scheduler never waits on the store, the control thread never
-waits long for the scheduler). Must not send requests, but for the holds of a failed
-call (`_resend_holds`), which must reach the store before any later acknowledgement:
-everything else the replies ask for goes out with the next step.
+failed call changes nothing but counters (the channel sends the same request again, and
+the store applies a request once: protocol.py); a store restart or a lost lease drops
+every pin but those with a load in flight (rule 1) and every slot and queued operation
+of the old epoch; the control thread holds `_lock` only to append and apply (rule 2:
+the scheduler never waits on the store, the control thread never waits long for the
+scheduler). Must not send requests: what the replies ask for goes out with the next step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class ReplyInbox(ManagerState):
         # A view that may lack the bucket's chunks never counts as fresh: lookups RETRY
         # (at most lookup_wait_seconds) until a reply says the store has listed it.
         self._view_as_of = as_of if registration.indexed else float("-inf")
+        if registration.lease_seconds:
+            self._half_lease = registration.lease_seconds / 2  # the store's lease rules
+        self._trusted_until = as_of + self._half_lease
         self._epoch = registration.epoch
         self._geometry = registration.geometry
         self._seq = registration.seq
@@ -50,16 +55,21 @@ class ReplyInbox(ManagerState):
         self._apply_changes(registration.changes, registration.slots, snapshot=True, emit=False)
 
     # Called on the control thread.
-    def _receive_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
+    def _receive_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> bool:
+        """Record the store's answer; False if it cannot be used yet (registering again
+        failed): the channel sends the same request again, and its answer brings us here."""
+        if reply.stale:
+            return True  # a late repeat of an older call: its answer went long ago
         if reply.epoch != self._thread_epoch:
             sent_at = self._clock()
             try:
                 registration = self._client.register(
-                    self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe(), True, self._thread_epoch
-                )
+                    self.holder, self.namespace, self.layout.slot_bytes, self.layout.describe(), True,
+                    self._thread_epoch, self._nonce,
+                )  # fmt: skip
             except Exception as exc:  # noqa: BLE001
                 self._receive_failure(request, exc, sent_at)
-                return
+                return False
             self._thread_epoch = registration.epoch
             logger.warning(
                 "kvstrata manager %s: node store restarted or this engine's lease ran out (now epoch %s); "
@@ -68,13 +78,12 @@ class ReplyInbox(ManagerState):
                 public_epoch(registration.epoch),  # the holder's token stays out of logs
             )
             self._receive(("reset", request, registration, sent_at))
-            return
+            return True
         self._receive(("reply", request, reply, sent_at))
+        return True
 
     def _receive_failure(self, request: StepRequest, exc: Exception, sent_at: float) -> None:
-        with self._lock:
-            self._resend_holds(request)
-            self._receive(("failure", request, exc, sent_at))
+        self._receive(("failure", request, exc, sent_at))
 
     def _pin_for_waiters(self, key: bytes, slot: int, recorded: bool = True, hit_by: str | None = None) -> Pin:
         """A new local pin of `key` at `slot` for the requests that waited on it, with the
@@ -95,7 +104,7 @@ class ReplyInbox(ManagerState):
             requests, promoted_for = set(), NOBODY
         if hit_by is not None:
             requests.add(hit_by)
-        pin = Pin(slot, self._epoch, requests, 0, promoted_from, promoted_for, recorded)  # (positional: the hot path)
+        pin = Pin(slot, self._epoch, requests, 0, promoted_from, promoted_for, recorded, 1 if recorded else 0)  # (hot path)
         self._pinned[key] = pin
         if not requests:
             self._maybe_idle[key] = None
@@ -110,33 +119,8 @@ class ReplyInbox(ManagerState):
             pin = self._pinned.get(key)
             if pin is not None and pin.slot == slot:
                 pin.recorded = True
+                pin.grants += 1
         return holds
-
-    def _resend_holds(self, failed: StepRequest) -> None:
-        """The holds of a failed call go out again *before* any acknowledgement after it.
-
-        The channel may already have the next request queued, built with a later
-        `known_seq` but without these holds: they are merged into it, so the store takes
-        them before it acknowledges that sequence (the failure callback runs before the
-        channel sends its queue). With nothing queued they wait for the next request like
-        any hold. A hold whose HIT no longer needs the slot is undone instead: the store
-        may have taken the lost call.
-        """
-        if not failed.hold or failed.epoch != self._epoch:
-            return
-        holds, unpins = [], []
-        for key, slot in failed.hold:
-            pin = self._pinned.get(key)
-            if pin is not None and pin.slot == slot and pin.epoch == self._epoch:
-                holds.append((key, slot))
-            else:
-                unpins.append(slot)
-        amended = StepRequest(self.holder, self.namespace, epoch=self._epoch, hold=holds, unpin=unpins)
-        if not self._channel.amend(amended):
-            self._to_hold = holds + self._to_hold
-            self._out_unpin.extend(unpins)
-            for key, _ in holds:
-                self._pinned[key].recorded = False
 
     def _receive(self, entry: tuple[str, StepRequest, Any, float]) -> None:
         """Record an answer; apply it at once when no scheduling pass is open.
@@ -163,6 +147,10 @@ class ReplyInbox(ManagerState):
     def _apply_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
         if request.epoch != self._epoch:
             return
+        # The store renewed this engine's lease after `sent_at`: it cannot end before
+        # `sent_at` plus a lease; HITs from local state stop at half of it (pins.py).
+        self._trusted_until = max(self._trusted_until, sent_at + self._half_lease)
+        self._answered_step = self._steps
         if reply.indexed:
             self._view_as_of = max(self._view_as_of, sent_at)
         self._reserve_outstanding -= request.reserve
@@ -172,14 +160,12 @@ class ReplyInbox(ManagerState):
             self._reserve_cap = reply.reserve_cap
         if reply.costs:
             self._load_admission.receive_costs(reply.costs, self._clock())
-        for key, slot in reply.pinned.items():
-            held = self._pinned.get(key)
-            if held is None:
-                self._pin_for_waiters(key, slot)
-            else:
-                held.requests |= self._pin_waiters.pop(key, set())  # in `_req_keys` since their lookups
-                if held.slot != slot:
-                    self._out_unpin.append(slot)
+        if request.resets < self._resets:
+            # Built before a reset (vLLM reset_prefix_cache): what it found is of the purged
+            # namespace. Its pins go back; its changes come again with the next reply.
+            self._out_unpin.extend(reply.pinned.values())
+            return
+        self._apply_grants(reply.pinned)
         now = self._clock()
         if len(self._missed_until) > MISSED_PRUNE_AT:
             self._missed_until = {key: until for key, until in self._missed_until.items() if until > now}
@@ -207,6 +193,20 @@ class ReplyInbox(ManagerState):
             logger.error("kvstrata manager %s: %d HITs lost their slot before their pin arrived", self.holder, refused)
         if reply.rejected:
             logger.warning("kvstrata manager %s: store rejected %d operations: %s", self.holder, len(reply.rejected), reply.rejected[0])
+
+    def _apply_grants(self, pinned: dict[bytes, int]) -> None:
+        """Pins the store granted (asked for with `pin`), counted on the local pins: the
+        store counts an engine's pins of a slot, and each is released by one unpin."""
+        for key, slot in pinned.items():
+            held = self._pinned.get(key)
+            if held is None:
+                self._pin_for_waiters(key, slot)
+                continue
+            held.requests |= self._pin_waiters.pop(key, set())  # in `_req_keys` since their lookups
+            if held.slot != slot or held.epoch != self._epoch:
+                self._out_unpin.append(slot)
+            else:
+                held.grants += 1
 
     def _apply_changes(
         self, changes: list[tuple[bytes, str, bool]], slots: dict[bytes, int], snapshot: bool, emit: bool
@@ -251,22 +251,10 @@ class ReplyInbox(ManagerState):
                 self._events.append(make_event(keys, removed=removed, medium=medium))
 
     def _apply_failure(self, request: StepRequest, sent_at: float) -> None:
+        """A call failed or timed out: the channel sends the same request again (the store
+        applies it once), so nothing it carried is queued again here. Requests waiting on
+        the store wait a few steps at most (pins.py: `engine.view_wait_steps`)."""
         self._counters["control_failures"] += 1
-        if request.epoch != self._epoch:
-            return
-        # The store could not answer: what we know is all there is, so misses are misses.
-        self._view_as_of = max(self._view_as_of, sent_at)
-        self._reserve_outstanding -= request.reserve
-        # Unpins, releases and commits are idempotent on the store: send them again.
-        self._out_unpin.extend(request.unpin)
-        self._out_release.extend(request.release)
-        self._out_commit.extend(request.commit)
-        self._purge_requested |= request.purge
-        # Pins we could not get are misses: the engine recomputes instead of waiting.
-        for key in request.pin:
-            if self._pin_waiters.pop(key, None) is not None:
-                self._mirror.pop(key, None)
-                self._resident.pop(key, None)
 
     def _apply_reset(self, registration: Registration, as_of: float) -> None:
         # Slots of the old epoch mean nothing to the new store. Loads already prepared
@@ -282,6 +270,8 @@ class ReplyInbox(ManagerState):
         self._out_unpin.clear()
         self._out_release.clear()
         self._reset_pins.clear()
+        self._reset_releases.clear()
+        self._reset_holds.clear()
         self._to_hold.clear()  # the new store never handed out those slots
         self._missed_until.clear()
         for key in [k for k, p in self._pinned.items() if not p.loads]:

@@ -35,15 +35,15 @@ methods, and imports vLLM names only from `compat`, like every module here.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvstrata.actors.protocol import StepRequest, unpins_before_holds
+from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import KvstrataConfig
 from kvstrata.connector.compat import (
-    HAS_RESET_FLUSHED,
     OffloadingConnectorStats,
     OffloadingEvent,
     ScheduleEndContext,
@@ -75,12 +75,17 @@ class StrataManager(PinsAndSlots):
         enable_events: bool = False,
         clock: Callable[[], float] = time.monotonic,
         async_scheduling: bool = False,
+        channel: Callable[..., ControlChannel] = ControlChannel,
     ):
+        """`channel`: builds the control channel (the thread that calls the store); the
+        deterministic simulation (`kvstrata.sim`) passes one it drives itself."""
         ManagerState.__init__(self, client, layout, config, holder, enable_events, clock, async_scheduling)
         self._hints = HintIntake(getattr(client, "apply_hints", None), layout, self._counters)  # KV hints (hints.py)
 
+        # This engine's own secret: registering again after a lost answer is known as ours.
+        self._nonce = secrets.token_hex(8)
         asked = clock()
-        registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe(), True)
+        registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe(), True, "", self._nonce)
         self._thread_epoch = registration.epoch
         self._adopt(registration, asked)
         logger.info(
@@ -91,7 +96,7 @@ class StrataManager(PinsAndSlots):
             len(self._mirror),
             registration.node_id,
         )
-        self._channel = ControlChannel(
+        self._channel = channel(
             send=client.step,
             on_reply=self._receive_reply,
             on_failure=self._receive_failure,
@@ -121,12 +126,13 @@ class StrataManager(PinsAndSlots):
                 # The stock ran dry this step: keep enough for a step like this one.
                 self._reserve_target = min(self._reserve_cap, max(2 * self._reserve_target, demand))
             self._pass_open = False
-            self._recompute_rate.step_ended(self._clock())
+            self._steps += 1
+            now = self._clock()
+            self._recompute_rate.step_ended(now)
             request = self._take_request()
             # Even with nothing to say, ask now and then: the reply refreshes the index
             # mirror, so chunks other engines stored become hits. Calls never pile up:
             # the channel merges requests while one is in flight.
-            now = self._clock()
             if not request.is_empty() or self._view_wanted or now - self._last_submit >= self._refresh_s:
                 self._submit(request)
 
@@ -187,28 +193,32 @@ class StrataManager(PinsAndSlots):
             pin=self._to_pin,
             hold=holds,
             touch=self._to_touch,
-            # Every unpin waiting here is older than these holds (a failed call's come back).
-            unpin=unpins_before_holds(self._out_unpin, holds),
+            unpin=self._out_unpin,  # (the store counts pins: each unpin undoes one, in any order within a request)
             commit=self._out_commit,
             release=self._out_release,
             reserve=max(0, want),
             purge=self._purge_requested,
             recompute_tokens_per_second=self._load_admission.recompute_tokens_per_second or 0.0,
+            resets=self._resets,
         )
         self._reserve_outstanding += request.reserve
         self._to_pin, self._to_touch = [], []
         self._out_unpin, self._out_commit, self._out_release = [], [], []
-        if not HAS_RESET_FLUSHED:
-            self._out_unpin.extend(self._reset_pins)
-            self._reset_pins = []
+        if self._reset_steps_left and not self._reset_flush_signal:
+            # Before vLLM 0.33: the jobs in flight at a reset are flushed in the step after
+            # it; what they may touch goes with the request after that step's.
+            self._reset_steps_left -= 1
+            if not self._reset_steps_left:
+                self._release_reset_slots()
         self._purge_requested = False
         return request
 
     def _heartbeat_request(self) -> StepRequest:
         with self._lock:
             return StepRequest(
-                holder=self.holder, namespace=self.namespace, epoch=self._epoch, known_seq=self._seq, hold=self._take_holds()
-            )
+                holder=self.holder, namespace=self.namespace, epoch=self._epoch, known_seq=self._seq,
+                hold=self._take_holds(), resets=self._resets,
+            )  # fmt: skip
 
 
     def _submit(self, request: StepRequest) -> None:

@@ -21,9 +21,13 @@ Invariants every writer keeps:
   engine", where a pin answered from the mirror is covered by deferred slot reuse until
   its hold reaches the store; a pin with a load in flight (`Pin.loads` > 0) is never
   unpinned: idle-pin release and a store restart keep it, and a reset, which forgets
-  every pin, unpins its slot only once vLLM flushed the loads that may read it. Pins of
-  an old store epoch are forgotten, never unpinned (the restarted store unlinks the old
-  segments only after a lease period);
+  every pin, unpins its slot (and releases the slots of stores in flight) only once vLLM
+  flushed the jobs that may read or write it. Pins of an old store epoch are forgotten,
+  never unpinned (the restarted store unlinks the old segments only after a lease period);
+- rule 3: no HIT from the mirror or a pin, and no store into a reserved slot, once the
+  last answer of the store is older than half a lease (`_trusted` false): the store
+  cannot have ended the lease before a whole one, so what this engine hands its workers
+  keeps its slots for at least half a lease;
 - rule 2: no blocking call on the scheduling path. Nothing done under `_lock` waits for
   the store: requests go out through the control thread, replies come back into
   `_inbox` and are applied only at safe points (`_drain_inbox`);
@@ -44,7 +48,7 @@ from typing import Any
 
 from kvstrata.actors.protocol import StepRequest
 from kvstrata.config import KvstrataConfig
-from kvstrata.connector.compat import OffloadingEvent
+from kvstrata.connector.compat import HAS_RESET_FLUSHED, OffloadingEvent
 from kvstrata.connector.control import ControlChannel
 from kvstrata.connector.load_admission import LoadAdmission
 from kvstrata.connector.metrics import COUNTER_NAMES
@@ -69,6 +73,9 @@ class Pin:
     promoted_for: frozenset[str] = frozenset()
     # False for a HIT answered from the mirror whose hold has not gone to the store yet.
     recorded: bool = True
+    # Pins of the slot the store holds (or will: requests in flight) for this pin: one per
+    # hold sent, pin granted, commit; released with one unpin each (the store counts them).
+    grants: int = 1
 
 
 @dataclass(slots=True)
@@ -166,3 +173,25 @@ class ManagerState:
         self._lookup_wait = config.engine.lookup_wait_seconds
         self._arrived: dict[str, float] = {}  # request -> its first lookup since its last load
         self._view_wanted = False  # a lookup waits for a view newer than the mirror
+        # request -> the step since which it waits on the store (a fresher view, a pin):
+        # at most `engine.view_wait_steps` of its own steps while the store says nothing.
+        self._store_wait_since: dict[str, int] = {}
+        self._view_wait_steps = config.engine.view_wait_steps
+        self._steps = 0  # scheduler steps ended (on_schedule_end)
+        self._answered_step = 0  # `_steps` when the store last answered
+        # Rule 3: this engine's lease is proven until `_trusted_until` (its clock): the
+        # store renewed it after the last answered request was sent, and ends it a whole
+        # lease later at the earliest; `_trusted` is that, read once per scheduling pass.
+        self._half_lease = config.engine.lease_seconds / 2
+        self._trusted_until = float("-inf")
+        self._trusted = False
+        # Slots of stores in flight at a reset: released, like `_reset_pins` unpinned, once
+        # vLLM flushed the jobs that may write them. vLLM 0.33 says when (`on_reset_flushed`,
+        # `_reset_flush_signal`); before, it flushes at the step after the reset, whose end
+        # is `_reset_steps_left` steps away (one more with async scheduling).
+        self._reset_releases: list[int] = []
+        self._reset_holds: list[tuple[bytes, int]] = []  # (key, slot) of reset pins whose hold had not gone
+        self._resets = 0  # reset_cache calls: a reply to a request built before the last is of the old namespace
+        self._reset_flush_signal = HAS_RESET_FLUSHED
+        self._reset_steps_left = 0
+        self._reset_steps = 2 if async_scheduling else 1

@@ -5,9 +5,12 @@
   once, its hold queued for the next request: deferred slot reuse keeps the slot),
   HIT_PENDING for one this engine is storing, RETRY while a promotion (or a fresher
   view of the store) is on its way, MISS otherwise -- and MISS, to recompute, once a
-  request has waited `lookup_wait_seconds`. With `admission.load: break_even`, MISS
-  from the chunk on where loading the rest from a lower tier would be slower than
-  recomputing it (load_admission.py decides, once per request).
+  request has waited `lookup_wait_seconds`, or `view_wait_steps` of this engine's steps
+  on a store that said nothing meanwhile (counted: `lookups_store_silent`). With
+  `admission.load: break_even`, MISS from the chunk on where loading the rest from a
+  lower tier would be slower than recomputing it (load_admission.py decides, once per
+  request). No HIT from local state while the engine cannot prove its lease (its last
+  answer is older than half a lease): the chunk is asked for like one on disk.
 - `prepare_load` hands out the slots of pinned chunks; `complete_load` lets them go.
 - `prepare_store` takes slots from the stock reserved in advance (head of the prefix
   first); `complete_store` commits or releases them.
@@ -16,8 +19,9 @@
 
 Writes: `_pinned` (loads, requests, pins of stored chunks), `_to_hold`, `_pin_waiters`, `_to_pin`,
 `_storing`, `_stock` (taken), `_store_demand` / `_store_dropped`, `_arrived`,
-`_req_keys`, `_out_commit` / `_out_release`, `_reset_pins`, and the mirror for chunks
-this engine stored or a reset cleared.
+`_store_wait_since`, `_pass_open` / `_trusted`, `_req_keys`, `_out_commit` /
+`_out_release`, `_reset_pins` / `_reset_releases`, and the mirror for chunks this
+engine stored or a reset cleared.
 
 Invariants: rule 1 -- a HIT means "pinned for this engine, or held by deferred reuse
 until its hold reaches the store", so its `prepare_load` cannot fail and its slot keeps
@@ -102,9 +106,10 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         container they do not keep (benchmarks/manager_overhead.py)."""
         if not self._pass_open:
             # First lookup of a scheduling pass: replies that arrived during the
-            # forward pass turn this pass's RETRYs into HITs.
+            # forward pass turn this pass's RETRYs into HITs. (Rule 3, once per pass.)
             self._pass_open = True
             self._drain_inbox()
+            self._trusted = self._clock() < self._trusted_until
         req_id = req_context.req_id
         arrived = self._arrived.get(req_id)
         if arrived is None:
@@ -114,7 +119,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         ):
             return LookupResult.MISS  # this request recomputes from an earlier chunk on
         pin = self._pinned.get(key)
-        if pin is not None and pin.epoch == self._epoch:
+        if pin is not None and pin.epoch == self._epoch and self._trusted:
             pin.requests.add(req_id)
             self._req_keys[req_id].add(key)
             self._note_used(key, req_context)
@@ -122,7 +127,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         if key in self._storing:
             return LookupResult.HIT_PENDING
         slot = self._resident.get(key)
-        if slot is not None and pin is None:
+        if slot is not None and pin is None and self._trusted:
             # Resident in the arena: HIT now, as vLLM's own CPU manager answers. The
             # pin goes out with the next control call, before this engine acknowledges
             # any later view; until then deferred slot reuse keeps the slot's bytes.
@@ -150,20 +155,39 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         ):
             self._probe(self._load_admission.take_probes())
             return LookupResult.MISS  # loading the rest from a lower tier is slower than recomputing it
-        waiters = self._pin_waiters.get(key)
-        if waiters is not None:
-            waiters.add(req_id)
+        if key in self._mirror or (pin is not None and pin.epoch == self._epoch):
+            if self._store_silent(req_id):
+                return LookupResult.MISS
+            waiters = self._pin_waiters.get(key)
+            if waiters is not None:
+                waiters.add(req_id)
+            else:
+                self._pin_waiters[key] = {req_id}
+                self._to_pin.append(key)  # (a pin held here the store answers again, renewing the proof)
             self._req_keys[req_id].add(key)  # so it stops waiting when it finishes
             return LookupResult.RETRY
-        if key in self._mirror:
-            self._pin_waiters[key] = {req_id}
-            self._req_keys[req_id].add(key)
-            self._to_pin.append(key)
-            return LookupResult.RETRY
-        if self._view_as_of < arrived - self._max_view_age:
+        if self._view_as_of < arrived - self._max_view_age and not self._store_silent(req_id):
             self._view_wanted = True
             return LookupResult.RETRY
         return LookupResult.MISS
+
+    def _store_silent(self, req_id: str) -> bool:
+        """Whether the request has waited `view_wait_steps` of this engine's steps on a store
+        that has not answered since (for a fresher view or a pin); then it is answered from
+        what this engine knows. A store that answers (a promotion on its way, a bucket still
+        being listed) is waited for up to `lookup_wait_seconds`.
+
+        Why steps, not seconds: a request's cost is the steps it sits out; a store that
+        stalls (a long call, a hung disk read) must cost each request a few steps at most,
+        however long it stalls (issue #37, finding 7)."""
+        since = self._store_wait_since.get(req_id)
+        if since is None:
+            self._store_wait_since[req_id] = self._steps
+            return False
+        if self._steps - since < self._view_wait_steps or self._answered_step > since:
+            return False
+        self._counters["lookups_store_silent"] += 1
+        return True
 
     def _probe(self, keys: list[bytes]) -> None:
         """Ask the store to promote `keys` with no request waiting on them: its reads
@@ -185,6 +209,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ArenaSlotsSpec:
         with self._lock:
             self._arrived.pop(req_context.req_id, None)  # its wait is over
+            self._store_wait_since.pop(req_context.req_id, None)
             slots: list[int] = []
             for key in keys:
                 pin = self._pinned.get(key)
@@ -228,6 +253,11 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
                     wanted.append(key)
             if not wanted:
                 return PrepareStoreOutput(keys_to_store=[], store_spec=ArenaSlotsSpec([], self._geometry), evicted_keys=[])
+            if self._clock() >= self._trusted_until:
+                # Rule 3: the store may have ended this engine's lease and handed the
+                # stock to another engine; a worker must not write into it.
+                self._counters["lease_unproven"] += len(wanted)
+                return None
             self._store_demand += len(wanted)
             # Earlier chunks of a prefix are worth more than later ones: keep the head.
             accepted = wanted[: len(self._stock)]
@@ -254,9 +284,16 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
                     continue  # prepared before a store restart or a reset: nothing to publish
                 if success:
                     self._out_commit.append((slot, key))
-                    # The store keeps the writer's pin at commit; we hold it until idle.
-                    self._pinned[key] = Pin(slot, self._epoch)
-                    self._maybe_idle[key] = None
+                    if key in self._pinned:
+                        # A pin of the chunk arrived meanwhile (a pin asked for before this
+                        # store began): keep that one, with its requests and loads, and let
+                        # the writer's pin go (found by the simulation: replacing it leaked
+                        # the other slot's pin for the engine's lifetime).
+                        self._out_unpin.append(slot)
+                    else:
+                        # The store keeps the writer's pin at commit; we hold it until idle.
+                        self._pinned[key] = Pin(slot, self._epoch)
+                        self._maybe_idle[key] = None
                     media = self._mirror.setdefault(key, set())
                     if CPU not in media:
                         media.add(CPU)
@@ -276,6 +313,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         with self._lock:
             req_id = req_context.req_id
             self._arrived.pop(req_id, None)
+            self._store_wait_since.pop(req_id, None)
             self._load_admission.forget(req_id)
             self._recompute_rate.request_finished(req_id)
             self._hints.on_request_finished(req_context)  # hints.py: actions over its own chunks
@@ -295,17 +333,30 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
     def reset_cache(self) -> None:
         """vLLM's reset_prefix_cache(reset_connector=True): purge this namespace on the node.
 
-        A slot must not be reused while a load from before the reset may still read it:
-        on vLLM 0.33 pins are released when vLLM reports the flush (`on_reset_flushed`);
-        before 0.33, one step late (vLLM flushes in-flight jobs in the next step).
+        A slot must not be reused while a job from before the reset may still read it (a
+        load) or write it (a store: on CUDA a GPU->host copy may still run): on vLLM 0.33
+        pins are unpinned and stores' slots released when vLLM reports the flush
+        (`on_reset_flushed`); before 0.33, at the end of the step after the reset (vLLM
+        flushes in-flight jobs in that step; with async scheduling, a step later still).
         """
         with self._lock:
-            self._reset_pins.extend(p.slot for p in self._pinned.values() if p.epoch == self._epoch)
+            for key, pin in self._pinned.items():
+                if pin.epoch != self._epoch:
+                    continue
+                self._reset_pins.extend([pin.slot] * pin.grants)
+                if not pin.recorded:  # its hold still goes out (deferred reuse covers the slot only until then)
+                    self._reset_holds.append((key, pin.slot))
             self._pinned.clear()
             self._pin_waiters.clear()
             self._to_pin.clear()
-            self._out_release.extend(self._storing.values())
+            self._reset_releases.extend(self._storing.values())
             self._storing.clear()
+            # Stores done before the reset, not committed yet: their chunks are of the old
+            # namespace (the store would purge them right after committing), their slots go back.
+            self._out_release.extend(slot for slot, _ in self._out_commit)
+            self._out_commit.clear()
+            self._reset_steps_left = self._reset_steps
+            self._resets += 1
             self._mirror.clear()
             self._resident.clear()
             self._missed_until.clear()
@@ -314,6 +365,18 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             self._purge_requested = True
 
     def on_reset_flushed(self) -> None:
+        """vLLM 0.33: every job in flight at the reset has finished: their slots can go."""
         with self._lock:
-            self._out_unpin.extend(self._reset_pins)
-            self._reset_pins = []
+            self._release_reset_slots()
+
+    def _release_reset_slots(self) -> None:
+        """Unpin and release what a reset kept for the jobs in flight, now flushed; a hold
+        not sent yet is dropped instead of sent and undone."""
+        for hold in self._reset_holds:
+            if hold in self._to_hold:
+                self._to_hold.remove(hold)
+            else:
+                self._out_unpin.append(hold[1])
+        self._out_unpin.extend(self._reset_pins)
+        self._out_release.extend(self._reset_releases)
+        self._reset_pins, self._reset_holds, self._reset_releases = [], [], []

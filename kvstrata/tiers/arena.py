@@ -6,6 +6,8 @@ Invariants the rest of the system relies on:
   pins). Bytes of a committed or orphaned slot never change until it is freed.
 - Eviction only takes committed slots that nobody pins; reserved slots and pinned
   slots are never touched, so a HIT handed to vLLM stays loadable.
+- Pins are counted per holder and slot: each pin is undone by exactly one unpin (a
+  holder's unpin of an old pin must not undo its newer pin of the slot: issue #37).
 - Pins and reservations belong to a holder (an engine) and die with its lease.
 - A slot whose chunk left the index is reused only once every engine that answers
   HITs from a mirror has seen it go (`kvstrata.tiers.reuse`), so a HIT answered
@@ -92,7 +94,7 @@ class SlotPool:
         # orphan -> the evicted chunk it still holds, and the log sequence of its removal
         self._orphan_key: dict[int, tuple[bytes, int]] = {}
         self.reuse = DeferredReuse()
-        self._pins: dict[int, set[str]] = {}
+        self._pins: dict[int, dict[str, int]] = {}  # slot -> holder -> pins it holds there
         self._held: dict[str, set[int]] = {}
         self.on_change: Callable[[list[bytes], bool], None] | None = None
         self.on_evict: Callable[[bytes, int], list[str]] | None = None
@@ -253,14 +255,15 @@ class SlotPool:
         return committed, refused
 
     def pin_slots(self, holder: str, slots: list[int]) -> None:
-        """Pin slots the caller knows to be committed (a copy to another tier holds them)."""
+        """Pin slots the caller knows to be committed (a copy to another tier holds them),
+        once more each: each pin is undone by one unpin."""
         pins = self._pins
         for slot in slots:
             holders = pins.get(slot)
             if holders is None:
-                pins[slot] = {holder}
+                pins[slot] = {holder: 1}
             else:
-                holders.add(holder)
+                holders[holder] = holders.get(holder, 0) + 1
         if slots:
             self._held.setdefault(holder, set()).update(slots)
 
@@ -283,12 +286,17 @@ class SlotPool:
             if slot is not None:
                 self.policy.touch(slot)
 
-    def unpin(self, holder: str, slots: Iterable[int]) -> None:
+    def unpin(self, holder: str, slots: Iterable[int], every: bool = False) -> None:
+        """Undo one pin of `holder` per slot listed (`every`: all); other slots are ignored."""
         for slot in slots:
             holders = self._pins.get(slot)
-            if holders is None or holder not in holders:
+            count = holders.get(holder, 0) if holders is not None else 0
+            if not count:
                 continue
-            holders.discard(holder)
+            if count > 1 and not every:
+                holders[holder] = count - 1
+                continue
+            del holders[holder]
             self._held[holder].discard(slot)
             if not holders:
                 del self._pins[slot]
@@ -333,16 +341,16 @@ class SlotPool:
         """Forget every pin and reservation of a holder (lease expired or engine gone)."""
         self._free.extend(self.reuse.forget(holder))
         pinned = list(self._held.get(holder, ()))
-        self.unpin(holder, pinned)
+        self.unpin(holder, pinned, every=True)
         self._held.pop(holder, None)
         reserved = [slot for slot, owner in self._reserved.items() if owner == holder]
         self.release(holder, reserved)
         return len(pinned) + len(reserved)
 
-    def purge(self) -> int:
-        """Drop every indexed chunk; pinned ones become orphans until unpinned."""
-        removed = 0
-        for key, slot in list(self._slot_of.items()):
+    def purge(self, keys: Iterable[bytes] | None = None) -> int:
+        """Drop every indexed chunk (or those of `keys`); pinned ones become orphans until unpinned."""
+        removed, slot_of = 0, self._slot_of
+        for key, slot in list(slot_of.items()) if keys is None else [(k, slot_of[k]) for k in keys if k in slot_of]:
             self._remove_index(key, slot)
             if slot in self._pins:
                 self._orphans.add(slot)

@@ -3,6 +3,13 @@
 vLLM kills nothing on our behalf: an engine that crashes never unpins. Every holder
 therefore has a deadline, renewed by each control call (and a heartbeat when idle);
 a holder past its deadline loses everything it held, so no slot is wedged forever.
+
+A lease measures the engine's silence, not the store's: time the store spent stalled in
+one call (a purge wiping a large disk tier under its lock, a hung disk read) is given
+back to every lease (`discount`), since no engine could renew meanwhile. Engines, for
+their part, stop answering HIT from their own state once their last answer is older
+than half a lease (connector/pins.py), so a lease that runs out never frees a slot an
+engine still reads.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ class LeaseTable:
 
     def renew(self, holder: str, duration_s: float | None = None) -> None:
         self._deadlines[holder] = self._clock() + (duration_s or self.duration_s)
+
+    def discount(self, seconds: float) -> None:
+        """The store was stalled for `seconds`: no holder could renew meanwhile."""
+        for holder in self._deadlines:
+            self._deadlines[holder] += seconds
 
     def release(self, holder: str) -> None:
         self._deadlines.pop(holder, None)

@@ -4,12 +4,27 @@ the request context, the end of a step, and chunk stores with known bytes."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
+from kvstrata.actors.local_client import LocalStoreClient
 from kvstrata.connector.compat import OffloadingConfig, ReqContext, ScheduleEndContext
 
 SLOT = 4096
+
+
+class HangingClient(LocalStoreClient):
+    """A store that stops answering until released (a wedged actor, a partitioned node)."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.release = threading.Event()
+        self.release.set()
+
+    def step(self, request):
+        assert self.release.wait(30)
+        return super().step(request)
 
 
 def ctx(req: str = "r") -> ReqContext:

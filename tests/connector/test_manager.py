@@ -14,7 +14,7 @@ from kvstrata.actors.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager
-from tests.connector.harness import step
+from tests.connector.harness import HangingClient, step
 from tests.utils import FakeClock, key, layout, store_config
 
 SLOT = 4096
@@ -271,19 +271,6 @@ def test_an_idle_engine_finds_chunks_stored_while_it_was_idle(store_and_config, 
     assert reader._channel.calls == calls
 
 
-class HangingClient(LocalStoreClient):
-    """A store that stops answering until released (a wedged actor, a partitioned node)."""
-
-    def __init__(self, store):
-        super().__init__(store)
-        self.release = threading.Event()
-        self.release.set()
-
-    def step(self, request):
-        assert self.release.wait(30)
-        return super().step(request)
-
-
 def test_a_request_waits_at_most_lookup_wait_seconds(store_and_config, clock):
     store, cfg = store_and_config
     client = HangingClient(store)
@@ -338,17 +325,44 @@ def test_dead_engine_pins_expire_with_its_lease(new_store, clock):
 
 
 class FlakyClient(LocalStoreClient):
+    """A store that can be down (every call fails), or fail its next calls: before applying
+    them (unreachable) or after (applied, the answer lost: a timeout)."""
+
     def __init__(self, store):
         super().__init__(store)
         self.down = False
+        self.fail_next = 0
+        self.apply_then_fail = False
+        self.gate = threading.Event()  # a failing call waits for it first (a slow call)
+        self.gate.set()
+        self.failed = threading.Event()  # set once a call failed
+        self.steps: list = []  # every request that reached the store, repeats included
 
     def step(self, request):
         if self.down:
+            self.failed.set()
             raise ConnectionError("store unreachable")
+        if self.fail_next:
+            self.failed.set()
+            self.fail_next -= 1
+            assert self.gate.wait(30)
+            if self.apply_then_fail:
+                self.steps.append(request)
+                super().step(request)
+            raise TimeoutError("no answer in time")
+        self.steps.append(request)
         return super().step(request)
 
 
-def test_store_failure_turns_retries_into_misses_and_recovers(store_and_config, clock):
+def end_step(manager) -> None:
+    """End a scheduler step without waiting for its call (the store may not answer)."""
+    manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+
+def test_a_silent_store_holds_a_request_a_few_steps_then_it_recomputes(store_and_config, clock):
+    """Issue #37, finding 7: a request waits for a store that does not answer at most
+    `engine.view_wait_steps` of its engine's steps (it waited up to lookup_wait_seconds,
+    every step of it, before), then its lookups answer from what the engine knows."""
     store, cfg = store_and_config
     client = FlakyClient(store)
     reader = make_manager(store, cfg, holder="reader", client=client, clock=clock)
@@ -356,11 +370,16 @@ def test_store_failure_turns_retries_into_misses_and_recovers(store_and_config, 
     store_keys(writer, [key(1)])
     clock.advance(cfg.engine.max_view_age_seconds + 1)  # the reader's view predates key(1)
     client.down = True
-    assert reader.lookup(key(1), ctx()) is RETRY
-    step(reader)
-    assert reader.lookup(key(1), ctx()) is MISS  # no store: what it knows is all there is
-    assert reader.counters()["control_failures"] >= 1
+    for _ in range(cfg.engine.view_wait_steps):
+        assert reader.lookup(key(1), ctx()) is RETRY
+        end_step(reader)
+        assert client.failed.wait(10)
+    assert reader.lookup(key(1), ctx()) is MISS  # no answer for its steps: what it knows is all there is
+    assert reader.counters()["lookups_store_silent"] == 1
+    assert reader.counters()["lookups_timed_out"] == 0  # (lookup_wait_seconds never passed)
     client.down = False
+    assert reader.wait_idle(10)  # the same call, sent again, is answered
+    assert reader.counters()["control_failures"] >= 1
     store_keys(writer, [key(2)])
     clock.advance(cfg.engine.max_view_age_seconds + 1)
     assert reader.lookup(key(2), ctx("later")) is RETRY
@@ -378,25 +397,57 @@ def reader_of_a_stored_chunk(store, cfg, client):
     return reader, pool, pool.lookup(key(1))
 
 
-def test_the_hold_of_a_hit_whose_call_failed_reaches_the_store_before_its_acknowledgement(store_and_config):
-    """A HIT answered from the mirror whose control call fails: its hold goes out again with
-    the next call, so the store pins the slot before it learns the engine saw anything newer."""
+@pytest.mark.parametrize("applied", [False, True], ids=["call-lost", "answer-lost"])
+def test_a_failed_call_is_sent_again_as_itself_and_applied_once(store_and_config, applied):
+    """A HIT answered from the mirror whose control call fails, lost on its way or after
+    the store applied it: the channel sends the same request (same id) again, so the hold
+    reaches the store before any later acknowledgement, and is applied once."""
     store, cfg = store_and_config
     client = FlakyClient(store)
-    reader, pool, _ = reader_of_a_stored_chunk(store, cfg, client)
+    reader, pool, slot = reader_of_a_stored_chunk(store, cfg, client)
     assert reader.lookup(key(1), ctx()) is HIT
     reader.prepare_load([key(1)], ctx())
-    client.down = True
-    reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-    assert reader._channel.wait_idle(10)  # failed; its holds were queued again
-    assert pool.stats()["pinned"] == 0
-    client.down = False
-    step(reader)
-    assert pool.stats()["pinned"] == 1 and pool.stats()["holds"] >= 1
+    client.fail_next, client.apply_then_fail = 1, applied
+    step(reader)  # fails once, then goes again and is answered
+    held = [r for r in client.steps if r.hold]
+    assert len(held) == 1 + applied and len({r.rid for r in held}) == 1
+    assert pool._pins[slot] == {"reader": 1}  # applied once
+    assert reader.counters()["control_failures"] == 1
     reader.complete_load([key(1)], ctx())
     reader.on_request_finished(ctx())
     step(reader)
-    assert pool.stats()["pinned"] == 0
+    assert slot not in pool._pins
+
+
+def test_a_failed_calls_unpin_does_not_undo_a_later_hold_of_the_same_slot(store_and_config):
+    """Issue #37, finding 1: a pin goes idle and the call carrying its unpin fails (the
+    store may have applied it); meanwhile a new request HITs the same chunk from the mirror.
+    The unpin used to be queued again *behind* the new hold and undid it. Now the failed
+    call goes again as itself, before the hold, and the slot stays pinned under the HIT."""
+    store, cfg = store_and_config
+    client = FlakyClient(store)
+    reader, pool, slot = reader_of_a_stored_chunk(store, cfg, client)
+    assert reader.lookup(key(1), ctx("a")) is HIT
+    reader.prepare_load([key(1)], ctx("a"))
+    step(reader)  # the hold reaches the store
+    assert pool._pins[slot] == {"reader": 1}
+    reader.complete_load([key(1)], ctx("a"))
+    reader.on_request_finished(ctx("a"))
+    client.fail_next, client.apply_then_fail = 1, True
+    client.gate.clear()
+    end_step(reader)  # R2: `unpin slot`, slow, then applied with its answer lost
+    assert reader.lookup(key(1), ctx("b")) is HIT  # from the mirror: a new hold
+    reader.prepare_load([key(1)], ctx("b"))
+    end_step(reader)  # R3, queued behind R2
+    client.gate.set()
+    assert reader.wait_idle(10)
+    unpins = [r for r in client.steps if slot in r.unpin]
+    assert len(unpins) == 2 and unpins[0].rid == unpins[1].rid  # R2 twice, as itself
+    assert pool._pins[slot] == {"reader": 1}, "the slot under request b's load was unpinned"
+    reader.complete_load([key(1)], ctx("b"))
+    reader.on_request_finished(ctx("b"))
+    step(reader)
+    assert slot not in pool._pins
 
 
 def test_store_restart_drops_old_state_and_serves_again(new_store):
@@ -556,31 +607,6 @@ def test_a_slot_released_and_hit_again_while_the_store_is_busy_stays_pinned(stor
     reader.on_request_finished(ctx("b"))
     step(reader)
     assert "reader" not in pool._pins.get(slot, ())  # and nothing is left pinned after
-
-
-def test_a_failed_calls_unpin_does_not_undo_a_later_hold_of_the_same_slot(store_and_config):
-    """A failed call's unpins go again with the next call and its new hold of the slot."""
-    store, cfg = store_and_config
-    client = FlakyClient(store)
-    reader, pool, slot = reader_of_a_stored_chunk(store, cfg, client)
-    assert reader.lookup(key(1), ctx("a")) is HIT
-    reader.prepare_load([key(1)], ctx("a"))
-    step(reader)  # the hold reaches the store
-    assert "reader" in pool._pins.get(slot, ())
-    reader.complete_load([key(1)], ctx("a"))
-    reader.on_request_finished(ctx("a"))
-    client.down = True
-    reader.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))  # the unpin fails
-    assert reader._channel.wait_idle(10)
-    client.down = False
-    assert reader.lookup(key(1), ctx("b")) is HIT
-    reader.prepare_load([key(1)], ctx("b"))
-    step(reader)  # the unpin again, with the new hold
-    assert "reader" in pool._pins.get(slot, ())
-    reader.complete_load([key(1)], ctx("b"))
-    reader.on_request_finished(ctx("b"))
-    step(reader)
-    assert "reader" not in pool._pins.get(slot, ())
 
 
 def test_an_engine_whose_lease_ran_out_registers_again_and_drops_its_old_pins(new_store, clock):

@@ -1,0 +1,248 @@
+"""Fixed interleavings that reproduce the findings of issue #37, as simulation actions.
+
+Each scenario builds a world, drives it through one timing that used to hand an engine
+another chunk's bytes (or leak a slot, or hold a request), and returns the violations the
+world's checks recorded: none on a protocol that is safe by construction. They are written
+out rather than drawn from a seed so each reads as the story the issue tells; the random
+runs (`explore.py`) find their kin.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kvstrata.sim.channel import PENDING
+from kvstrata.sim.world import SimConfig, World
+
+logger = logging.getLogger(__name__)
+
+# Arena and write policies that keep the stories short: nothing copies chunks down unless
+# the arena evicts them (then the copies hold the slot until they land).
+QUIET = dict(disk_policy="write_back", object_policy="write_back", flush_signal=(False, False, False))
+
+
+class Script:
+    """Actions by name, with the round trips and settling the stories repeat."""
+
+    def __init__(self, world: World):
+        self.w = world
+        self.actions: list[tuple] = []  # what ran, replayable (`explore.replay`)
+
+    def do(self, *action: object) -> bool:
+        """Run one action and check the world, as a random run does."""
+        if not self.w.apply(action):
+            return False
+        self.actions.append(action)
+        self.w.check()
+        return True
+
+    def jobs(self) -> None:
+        while self.do("job", 0):
+            pass
+
+    def round_trip(self, e: int) -> None:
+        """The engine's channel sends its next call; the store applies it; the answer returns."""
+        assert self.do("send", e), "nothing to send"
+        self.deliver(e)
+        assert self.do("answer", e, 0)
+
+    def deliver(self, e: int) -> None:
+        """The store applies the call the engine's channel awaits (not an older one that timed out)."""
+        pending = [c for c in self.w.calls.values() if c.engine == e and c.state == PENDING]
+        assert self.do("deliver", e, next(i for i, c in enumerate(pending) if c.awaited))
+
+    def settle(self, e: int) -> None:
+        """Round trips until the engine has nothing left to say."""
+        for _ in range(8):
+            if not self.w.engines[e].channel.busy():
+                return
+            self.round_trip(e)
+
+    def step(self, e: int, settle: bool = True) -> None:
+        assert self.do("step", e)
+        if settle:
+            self.settle(e)
+
+    def land(self, e: int) -> None:
+        while self.do("land", e, 0):
+            pass
+
+    def store_prompt(self, e: int, prompt: int) -> None:
+        """A request of `prompt` computes and stores its chunks; the commit reaches the store."""
+        self.do("arrive", e, prompt)
+        self.step(e)
+        self.land(e)
+        self.step(e)
+        self.step(e)  # the request finished: its writer pins go back
+
+    def tick(self, seconds: float) -> None:
+        self.do("tick", seconds * 1000)
+
+    def acknowledge(self, *engines: int) -> None:
+        """Two heartbeats each: the engines learn what left the arena, then acknowledge it."""
+        for _ in range(2):
+            self.tick(0.25)
+            for e in engines:
+                self.round_trip(e)
+
+    def reuse(self, *engines: int) -> None:
+        """Pressure: another node's burst evicts what nothing pins; once the copies of the
+        evicted chunks landed and `engines` saw them go, a second burst overwrites their slots."""
+        self.do("crowd", self.w.config.arena_slots)
+        self.jobs()
+        self.acknowledge(*engines)
+        self.do("crowd", self.w.config.arena_slots)
+
+
+def _run(config: SimConfig, story: Callable[[Script], None]) -> list[str]:
+    world = World(config)
+    try:
+        script = Script(world)
+        script.jobs()
+        for engine in world.engines:
+            script.settle(engine.index)
+        story(script)
+        return world.violations
+    finally:
+        world.close()
+
+
+def unpin_overtakes_hold() -> list[str]:
+    """Finding 1. Engine 0's pin of K at slot X goes idle: the call carrying `unpin X` times
+    out. Meanwhile a new request HITs K from the mirror (still at X) and its `hold (K, X)`
+    queues behind. If the failed call's unpin goes out again *after* the hold, the store
+    ends with X unpinned under the new request's load; pressure evicts K, X is reused, and
+    the load reads the new owner's bytes."""
+
+    def story(s: Script) -> None:
+        w = s.w
+        s.store_prompt(0, 0)
+        s.do("arrive", 0, 0)
+        s.step(0)  # request a: HIT from the mirror, its hold pins X
+        s.land(0)
+        s.step(0, settle=False)  # a's load reported: its pin is idle, `unpin X` queued
+        assert s.do("send", 0)  # ... and sent: call R2 (unpin X)
+        s.do("arrive", 0, 0)
+        s.step(0, settle=False)  # request b: HIT from the mirror, `hold (K, X)` queued (R3)
+        assert s.do("timeout", 0, 0)  # R2 times out (the store may still apply it later)
+        s.settle(0)  # what the channel sends now, and after
+        s.step(0, settle=False)
+        s.settle(0)
+        s.reuse(0)  # pressure: K evicted if nothing pins X, X reused and overwritten
+        s.land(0)  # b's load reads X
+
+    return _run(SimConfig(engines=1, arena_slots=8, reserve_slots=2, **QUIET), story)
+
+
+def stale_mirror_after_lease() -> list[str]:
+    """Finding 2, the engine's side. Engine 0 stores K and then falls silent for longer than
+    a lease (paused) while engine 1 keeps the store busy: the store expires engine 0's lease
+    and forgets it as a watcher, so K's slot can be reused at once. Engine 0 resumes and a
+    new request finds K in its mirror: answering HIT there reads the new owner's bytes."""
+
+    def story(s: Script) -> None:
+        w = s.w
+        s.store_prompt(0, 0)
+        s.do("pause", 0, 6000)
+        for _ in range(10):  # engine 1 keeps calling: the store expires engine 0's lease
+            s.tick(0.5)
+            s.round_trip(1)
+        s.reuse(1)  # K's slot reused and overwritten
+        s.tick(1.5)  # engine 0 resumes, its mirror as it was
+        s.do("arrive", 0, 0)
+        s.step(0, settle=False)
+
+    return _run(SimConfig(engines=2, arena_slots=8, reserve_slots=2, **QUIET), story)
+
+
+def store_stall_expires_leases() -> list[str]:
+    """Finding 2, the store's side. Engine 0 HITs K and prepares its load; the store is busy
+    in one call for longer than a lease (a purge wiping a large disk tier under its lock).
+    The next call, engine 1's, used to find engine 0's lease run out and free K's slot under
+    the load in flight: the store's own stall counted against the engines."""
+
+    def story(s: Script) -> None:
+        w = s.w
+        s.store_prompt(0, 0)
+        s.do("arrive", 0, 0)
+        s.step(0)  # HIT; its hold pins the slot; the load is in flight
+        s.do("stall", 5000)
+        s.reuse(1)  # engine 1's calls come first: K's slot is reused if engine 0's lease ran out
+        s.land(0)
+
+    return _run(SimConfig(engines=2, arena_slots=8, reserve_slots=2, **QUIET), story)
+
+
+def lost_reply_leaks_reservations() -> list[str]:
+    """Finding 6, leaks. The store reserves slots for engine 0 and the answer is lost: the
+    engine never learns of them, asks again, and the store holds both reservations for as
+    long as the engine lives."""
+
+    def story(s: Script) -> None:
+        w = s.w
+        s.do("arrive", 0, 5)
+        s.step(0, settle=False)  # its stores take the stock
+        s.step(0, settle=False)  # a refill goes out
+        assert s.do("send", 0)
+        s.deliver(0)
+        assert s.do("lose", 0, 0)  # applied, its answer lost
+        for _ in range(24):  # the engine lives on, calling the store
+            s.tick(0.3)
+            s.step(0)
+            s.land(0)
+
+    return _run(SimConfig(engines=1, arena_slots=16, reserve_slots=4, **QUIET), story)
+
+
+def lost_registration_locks_out() -> list[str]:
+    """Finding 6, lock-outs. Engine 0's lease ran out; it registers again, the store binds a
+    new token and the answer is lost. Registering again with what it knows (the old token)
+    was refused as "already registered by another engine" for a whole lease."""
+
+    def story(s: Script) -> None:
+        w = s.w
+        s.store_prompt(0, 0)
+        s.do("pause", 0, 6000)
+        for _ in range(10):
+            s.tick(0.5)
+            s.round_trip(1)
+        s.tick(1.5)
+        s.do("lose_registration", 0)
+        for _ in range(6):  # refused: it registers again (answer lost), then again
+            s.tick(0.3)
+            if s.do("send", 0):
+                s.deliver(0)
+                s.do("answer", 0, 0)
+            s.step(0, settle=False)
+
+    return _run(SimConfig(engines=2, arena_slots=16, reserve_slots=2, **QUIET), story)
+
+
+def stalled_store_holds_requests() -> list[str]:
+    """Finding 7. Engine 0's call hangs in a stalled store; its view of the store ages past
+    `max_view_age_seconds`, so a new request's lookups wait for a fresher one: up to
+    `lookup_wait_seconds`, every step of that time, instead of a few steps."""
+
+    def story(s: Script) -> None:
+        w = s.w
+        s.tick(0.2)
+        s.do("arrive", 0, 3)
+        s.step(0, settle=False)
+        assert s.do("send", 0)  # the call hangs: the store never answers it
+        for _ in range(30):
+            s.tick(0.02)
+            s.do("arrive", 0, 4)
+            s.step(0, settle=False)
+
+    return _run(SimConfig(engines=1, arena_slots=16, reserve_slots=2, **QUIET), story)
+
+
+SCENARIOS: dict[str, Callable[[], list[str]]] = {
+    "unpin-overtakes-hold": unpin_overtakes_hold,
+    "stale-mirror-after-lease": stale_mirror_after_lease,
+    "store-stall-expires-leases": store_stall_expires_leases,
+    "lost-reply-leaks-reservations": lost_reply_leaks_reservations,
+    "lost-registration-locks-out": lost_registration_locks_out,
+    "stalled-store-holds-requests": stalled_store_holds_requests,
+}

@@ -1,0 +1,516 @@
+"""The simulated node: one store with its arena, disk and object tiers, 1-3 engines, and
+every action the simulation's scheduler may take.
+
+Every action is a method `act_<name>(*args)` whose arguments are small numbers, so a run
+is a list of tuples `(name, *args)` that replays exactly (`explore.replay`). Arguments
+that pick among things in flight (a call, a job, a copy) are taken modulo how many there
+are: an action whose target is gone after a shrink picks another, or does nothing.
+
+The world keeps what the checks need (`invariants.py`): the bytes each key must have (a
+key's bytes are a function of the key and the namespace's generation, which a weight
+update bumps), the arenas of dead stores (loads of their epoch still read them, as a
+worker keeps old segments mapped), the time each engine crashed, store stalls, and the
+purges whose jobs in flight have not settled yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvstrata.actors.node_store import NodeStore
+from kvstrata.config import load_config
+from kvstrata.keys import Layout, make_key
+from kvstrata.sim import invariants
+from kvstrata.sim.channel import DELIVERED, DONE, PENDING, Call
+from kvstrata.sim.engine import Copy, SimEngine
+from kvstrata.actors.executors import InlineExecutor
+from kvstrata.sim.executors import JobQueue, SimExecutor
+from kvstrata.tiers.arena import Arena
+from kvstrata.tiers.records import HEADER_BYTES
+
+SLOT = 4096
+CROWD = "sim-crowd"  # the holder of `act_crowd`'s slots
+COPY_SECONDS = 0.25  # a worker's copy lands at most this long after it was prepared
+KEEP_DONE_CALLS = 3  # answered calls kept per engine, that the store may be made to apply again
+NAMESPACE_MODEL = "sim-model"
+
+
+class SimClock:
+    """The one clock of a world: the store, its tiers and every manager read it."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+    def at_least(self, when: float) -> None:
+        self.now = max(self.now, when)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What one simulated node looks like; a seed draws one (`explore.config_for`)."""
+
+    engines: int = 2
+    arena_slots: int = 24
+    disk_records: int = 32
+    disk_policy: str = "write_through"
+    object_policy: str = "write_back"
+    lease_seconds: float = 4.0
+    control_timeout_seconds: float = 0.5
+    reserve_slots: int = 4
+    prefixes: int = 6
+    prefix_chunks: int = 4
+    prompts: int = 16
+    flush_signal: tuple[bool, ...] = (False, True, False)  # per engine: vLLM 0.33's reset order
+    # Weight updates (engines move to the model's new namespace, the old one is purged while
+    # its work is in flight) and the checks that nothing of a purged namespace survives that
+    # work, and that the disk index and its records agree: findings 3 and 4 of issue #37
+    # (fixed on the `store-purge` branch). Random runs have them on.
+    purge_and_disk_races: bool = False
+
+
+@dataclass
+class Stall:
+    at: float
+    seconds: float
+
+
+@dataclass
+class PurgeWatch:
+    """A purge of `namespace`, and its work in flight not run yet: the store's jobs queued
+    then (its own included), and the jobs those queue."""
+
+    namespace: str
+    jobs: set[int]
+
+
+class World:
+    def __init__(self, config: SimConfig, root: str | Path | None = None):
+        self.config = config
+        self._own_root = root is None
+        self.root = Path(root or tempfile.mkdtemp(prefix="kvstrata-sim-"))
+        self.clock = SimClock()
+        self.jobs = JobQueue()
+        self.calls: dict[int, Call] = {}
+        self.copies: dict[int, Copy] = {}
+        self._next_call = 0
+        self._next_copy = 0
+        self.generation = 0
+        self.violations: list[str] = []
+        self.stalls: list[Stall] = []
+        self.crashed: dict[str, float] = {}  # holder of a crashed engine -> when
+        self.heard: dict[str, float] = {}  # holder -> when the store last got a call of it
+        self.served_at = self.clock()  # when the store last ran a call (leases expire at calls)
+        self.purges: list[PurgeWatch] = []
+        self.unknown_since: dict[tuple[str, int], float] = {}  # (holder, slot) its engine does not know of
+        self.arenas: dict[str, Arena] = {}  # arena epoch -> arena (dead stores' too: old loads read them)
+        self._expected: dict[tuple[bytes, int], bytes] = {}
+        self.raw_config = self._raw_config()
+        self.kv_config = load_config(self.raw_config)
+        self._set_layout()
+        self.prompts = self._make_prompts()
+        self.store: NodeStore = self._start_store()
+        self.incarnations = [0] * config.engines
+        self.engines = [self._start_engine(i) for i in range(config.engines)]
+
+    # --- set-up --------------------------------------------------------------------------
+
+    def _set_layout(self) -> None:
+        """The engines' layout: the model's weights version is part of its identity, so a
+        weight update starts a new namespace (as `model_identity` makes it in production)."""
+        self.layout = Layout(
+            model=f"{NAMESPACE_MODEL}-w{self.generation}", dtype="float32", kv_cache_layout="", tokens_per_block=(32,),
+            group_ids=(0,), tokens_per_hash=32, blocks_per_chunk=1, worker_kv_bytes_per_block=SLOT, world_size=1,
+            tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, hash_algo="sha256",
+        )  # fmt: skip
+        self.namespace = self.layout.namespace
+
+    def _raw_config(self) -> dict:
+        c = self.config
+        (self.root / "shm").mkdir(exist_ok=True)
+        return {
+            "tiers": {
+                "cpu": {"capacity": c.arena_slots * SLOT, "segment_size": c.arena_slots * SLOT // 2,
+                        "shm_dir": str(self.root / "shm"), "prefault": False},
+                "disk": {"path": str(self.root / "disk"), "capacity": c.disk_records * (SLOT + HEADER_BYTES),
+                         "write_policy": c.disk_policy, "direct_io": False, "io_threads": 2, "queue_depth": 16},
+                "object": {"url": f"file://{self.root}/bucket/kv", "write_policy": c.object_policy,
+                           "index_refresh_seconds": 2.0, "queue_depth": 16, "max_concurrency": 2},
+            },
+            "engine": {"lease_seconds": c.lease_seconds, "reserve_slots": c.reserve_slots,
+                       "control_timeout_seconds": c.control_timeout_seconds, "refresh_seconds": 0.05,
+                       "max_view_age_seconds": 0.1, "lookup_wait_seconds": 2.0},
+            "admission": {"load": "always"},
+        }  # fmt: skip
+
+    def _make_prompts(self) -> list[list[bytes]]:
+        c = self.config
+
+        def key(*parts: object) -> bytes:
+            return make_key(hashlib.sha256(repr(parts).encode()).digest(), 0)
+
+        prompts = []
+        for p in range(c.prompts):
+            prefix = p % c.prefixes
+            length = 1 + (p * 7) % c.prefix_chunks  # prompts share a prefix of varying length
+            prompts.append([key("prefix", prefix, i) for i in range(length)] + [key("own", p, i) for i in range(p % 3)])
+        return prompts
+
+    def _start_store(self) -> NodeStore:
+        store = NodeStore(self.raw_config, "simnode", clock=self.clock, executors=self._executor)
+        # The object tier's own pool is joined inside each of its jobs: no concurrency point.
+        if store.object is not None:
+            store.object._pool.shutdown(wait=True)
+            store.object._pool = InlineExecutor()
+        self.arenas[store.arena.epoch] = store.arena
+        return store
+
+    def _executor(self, role: str, threads: int) -> SimExecutor:
+        """The store's executor of a role (actors/executors.py): every job an event."""
+        if role == "disk-digest":  # a write waits on its checksums; a read's land later, in order
+            return SimExecutor(self.jobs, role, queued=lambda name: name == "verify", fifo=True)
+        return SimExecutor(self.jobs, role)
+
+    def _start_engine(self, index: int) -> SimEngine:
+        self.incarnations[index] += 1
+        holder = f"sim-engine-{index}-{self.incarnations[index]:02d}"
+        flush = self.config.flush_signal[index % len(self.config.flush_signal)]
+        return SimEngine(self, index, holder, flush)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.crash()
+        self.store.close()
+        for arena in self.arenas.values():
+            arena.close()
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- what engines and checks ask of the world -------------------------------------------
+
+    def expected(self, key: bytes, generation: int | None = None) -> bytes:
+        """The bytes of `key` in a generation (default: the current one): what every engine computes."""
+        generation = self.generation if generation is None else generation
+        found = self._expected.get((key, generation))
+        if found is None:
+            digest = hashlib.blake2b(key + generation.to_bytes(4, "big"), digest_size=64).digest()
+            found = self._expected[(key, generation)] = digest * (SLOT // 64)
+        return found
+
+    def view(self, path_template: str, slot: int) -> np.ndarray | None:
+        """The bytes of `slot` in the pool whose segments are named by `path_template`."""
+        for arena in self.arenas.values():
+            for pool in arena.pools.values():
+                if pool.geometry.path_template == path_template:
+                    return pool.view(slot)
+        return None
+
+    def next_copy_id(self) -> int:
+        self._next_copy += 1
+        return self._next_copy
+
+    def violation(self, what: str) -> None:
+        self.violations.append(f"t={self.clock():.3f}: {what}")
+
+    def observe_hit(self, engine: SimEngine, key: bytes) -> None:
+        invariants.check_hit(self, engine, key)
+
+    def check_wait(self, engine: SimEngine, req) -> None:
+        invariants.check_wait(self, engine, req)
+
+    def land(self, copy: Copy) -> None:
+        """A worker's copy lands: a load reads its slots, a store writes its chunks' bytes."""
+        engine = self.engines[copy.engine]
+        if copy.kind == "load":
+            invariants.check_load(self, engine, copy)
+        else:
+            invariants.check_store_write(self, engine, copy)
+            for key, slot in zip(copy.keys, copy.slots):
+                view = self.view(copy.path, slot)
+                if view is not None:
+                    view[:] = np.frombuffer(self.expected(key, copy.generation), dtype=np.uint8)
+        copy.landed = True
+        self.copies.pop(copy.id, None)
+        engine.copy_landed(copy)
+
+    # --- actions -------------------------------------------------------------------------------
+
+    def apply(self, action: tuple) -> bool:
+        """Run one action; False if it could not run now (nothing to act on)."""
+        return bool(getattr(self, f"act_{action[0]}")(*action[1:]))
+
+    def _engine(self, e: int) -> SimEngine | None:
+        engine = self.engines[e % len(self.engines)]
+        return engine if engine.alive else None
+
+    def act_arrive(self, e: int, p: int) -> bool:
+        engine = self._engine(e)
+        if engine is None or len(engine.waiting) >= 6:
+            return False
+        engine.arrive(self.prompts[p % len(self.prompts)])
+        return True
+
+    def act_step(self, e: int) -> bool:
+        engine = self._engine(e)
+        if engine is None or self.clock() < engine.paused_until:
+            return False
+        engine.step()
+        return True
+
+    def act_tick(self, ms: float) -> bool:
+        self.advance_to(self.clock() + ms / 1000)
+        return True
+
+    def advance_to(self, when: float) -> None:
+        """Move the clock on; a worker's copy lands within `COPY_SECONDS` of being prepared
+        (the assumption rule 3 rests on: well within half a lease), so those due land first."""
+        for copy in sorted(self.copies.values(), key=lambda c: c.prepared_at):
+            if copy.prepared_at + COPY_SECONDS <= when and self.engines[copy.engine].alive:
+                self.land(copy)
+        self.clock.at_least(when)
+
+    def act_send(self, e: int) -> bool:
+        engine = self._engine(e)
+        if engine is None or self.clock() < engine.paused_until:
+            return False
+        request = engine.channel.next_request()
+        if request is None:
+            return False
+        self._next_call += 1
+        call = Call(self._next_call, engine.index, request, self.clock())
+        self.calls[call.id] = call
+        engine.channel.awaiting = call
+        return True
+
+    def _call(self, e: int, r: int, states: tuple[str, ...], awaited: bool | None) -> Call | None:
+        matching = [
+            c for c in self.calls.values()
+            if c.engine == e % len(self.engines) and c.state in states and (awaited is None or c.awaited == awaited)
+        ]  # fmt: skip
+        return matching[r % len(matching)] if matching else None
+
+    def act_deliver(self, e: int, r: int) -> bool:
+        call = self._call(e, r, (PENDING,), None)
+        if call is None:
+            return False
+        self._deliver(call)
+        return True
+
+    def _deliver(self, call: Call) -> None:
+        call.deliveries += 1
+        self.heard[call.request.holder] = self.clock()
+        try:
+            reply = self.store.step(call.request)
+        except Exception as exc:  # noqa: BLE001 - the store's answer is an error: the channel sees it
+            call.error = exc
+            reply = None
+        call.reply = reply if call.reply is None else call.reply
+        self.served_at = self.clock()
+        applied = reply is not None and reply.epoch == call.request.epoch and not reply.stale and not reply.rejected
+        if call.request.purge and applied:  # settled once every job in flight now (its own included) ran
+            self.purges.append(PurgeWatch(call.request.namespace, set(self.jobs.pending)))
+        if call.state == PENDING:
+            if call.awaited:
+                call.state = DELIVERED
+            else:
+                self._done(call)
+
+    def _done(self, call: Call) -> None:
+        """The call is over for its channel; only the last few of an engine stay (for duplicates)."""
+        call.state = DONE
+        done = [c.id for c in self.calls.values() if c.engine == call.engine and c.state == DONE]
+        for old in done[:-KEEP_DONE_CALLS]:
+            del self.calls[old]
+
+    def act_answer(self, e: int, r: int) -> bool:
+        call = self._call(e, r, (DELIVERED,), True)
+        if call is None:
+            return False
+        self._done(call)
+        engine = self.engines[call.engine]
+        if call.error is not None:
+            engine.channel.failed(call, call.error)
+        else:
+            engine.answers += 1
+            engine.channel.answered(call)
+        return True
+
+    def act_lose(self, e: int, r: int) -> bool:
+        """The store applied the call; its answer is lost: the channel times out."""
+        call = self._call(e, r, (DELIVERED,), True)
+        if call is None:
+            return False
+        self._done(call)
+        self.advance_to(call.sent_at + self.config.control_timeout_seconds)
+        self.engines[call.engine].channel.failed(call, TimeoutError("simulated: answer lost"))
+        return True
+
+    def act_timeout(self, e: int, r: int) -> bool:
+        """The channel gives up on a call the store has not applied yet; it may still apply it."""
+        call = self._call(e, r, (PENDING,), True)
+        if call is None:
+            return False
+        self.advance_to(call.sent_at + self.config.control_timeout_seconds)
+        self.engines[call.engine].channel.failed(call, TimeoutError("simulated: no answer in time"))
+        return True
+
+    def act_fail(self, e: int, r: int) -> bool:
+        """The call fails at once and never reaches the store (the actor is unreachable)."""
+        call = self._call(e, r, (PENDING,), True)
+        if call is None:
+            return False
+        self._done(call)
+        self.engines[call.engine].channel.failed(call, ConnectionError("simulated: store unreachable"))
+        return True
+
+    def act_duplicate(self, e: int, r: int) -> bool:
+        """The store applies a call it already applied once more (its answer goes nowhere)."""
+        call = self._call(e, r, (DELIVERED, DONE), None)
+        if call is None or not call.deliveries:
+            return False
+        before = call.reply, call.state
+        self._deliver(call)
+        call.reply, call.state = before
+        return True
+
+    def act_job(self, r: int) -> bool:
+        if not self.jobs.pending:
+            return False
+        job = list(self.jobs.pending.values())[r % len(self.jobs.pending)]
+        if job.owner.fifo:
+            job = next(j for j in self.jobs.pending.values() if j.owner is job.owner)
+        del self.jobs.pending[job.id]
+        before = set(self.jobs.pending)
+        exc = job.run()
+        if exc is not None:
+            self.violation(f"background job {job.name} raised {exc!r}")
+        spawned = set(self.jobs.pending) - before  # (a bucket purge waits for the uploads before it)
+        for watch in self.purges:
+            if job.id in watch.jobs:
+                watch.jobs.discard(job.id)
+                watch.jobs |= spawned
+        return True
+
+    def act_land(self, e: int, r: int) -> bool:
+        engine = self._engine(e)
+        if engine is None or not engine.copies:
+            return False
+        self.land(list(engine.copies.values())[r % len(engine.copies)])
+        return True
+
+    def act_pause(self, e: int, ms: float) -> bool:
+        engine = self._engine(e)
+        if engine is None:
+            return False
+        engine.pause(ms / 1000)
+        return True
+
+    def act_crash(self, e: int) -> bool:
+        engine = self._engine(e)
+        if engine is None:
+            return False
+        engine.crash()
+        for call in self.calls.values():
+            if call.engine == engine.index:
+                call.awaited = False
+        for copy_id in [c for c, copy in self.copies.items() if copy.engine == engine.index]:
+            del self.copies[copy_id]
+        self.crashed[engine.holder] = self.clock()
+        self.engines[engine.index] = self._start_engine(engine.index)
+        return True
+
+    def act_reset(self, e: int) -> bool:
+        engine = self._engine(e)
+        if engine is None:
+            return False
+        engine.reset()
+        return True
+
+    def act_update_weights(self) -> bool:
+        """The weights change in place (an RL weight sync): every engine finishes its copies
+        and shuts down, new ones start on the model's new identity (a new namespace, bytes
+        of the new generation), and the old namespace is purged on the node (`kvstrata
+        purge`) while its work may still be in flight."""
+        if not self.config.purge_and_disk_races:
+            return False
+        for engine in self.engines:  # (a crashed engine was replaced at its crash: all are alive)
+            if engine.alive:
+                for copy in list(engine.copies.values()):
+                    self.land(copy)
+                engine.shut_down()
+                for call in self.calls.values():
+                    if call.engine == engine.index:
+                        call.awaited = False
+        old = self.namespace
+        self.generation += 1
+        self._set_layout()
+        self.store.purge(old)
+        self.served_at = self.clock()
+        self.purges.append(PurgeWatch(old, set(self.jobs.pending)))
+        self.engines = [self._start_engine(i) for i in range(len(self.engines))]
+        return True
+
+    def act_stall(self, ms: float) -> bool:
+        """The store is busy in one call for `ms` (a long purge, a hung disk read)."""
+        self.stalls.append(Stall(self.clock(), ms / 1000))
+        serving = getattr(self.store, "_serving", None)
+        if serving is None:
+            self.advance_to(self.clock() + ms / 1000)
+        else:
+            with serving():
+                self.advance_to(self.clock() + ms / 1000)
+        return True
+
+    def act_restart(self) -> bool:
+        """The store process dies and Ray starts a new one: its queued jobs never run; loads
+        in flight still read the old segments (workers keep them mapped)."""
+        old = self.store
+        for executor in (old._io, old._object_io):
+            if executor is not None:
+                executor.shutdown()
+        if old.disk is not None:
+            old.disk.close()  # (its checksums in flight are dropped with it)
+        self.purges.clear()
+        self.store = self._start_store()
+        return True
+
+    def act_crowd(self, count: int) -> bool:
+        """A burst of another node's work: `count` slots reserved (evicting what it must),
+        overwritten and freed again, as a short-lived engine's stores would."""
+        pool = self.store.arena.pools.get(self.namespace)
+        if pool is None:
+            return False
+        with self.store._lock:
+            self.store._expire()  # as every store call does first
+            slots = pool.reserve(CROWD, count)
+            for slot in slots:
+                pool.view(slot)[:] = 0xEE
+            pool.release(CROWD, slots)
+        self.served_at = self.clock()
+        return True
+
+    def act_lose_registration(self, e: int) -> bool:
+        engine = self._engine(e)
+        if engine is None:
+            return False
+        engine.client.lose_next_registration = True
+        return True
+
+    # --- checks ----------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        invariants.check_world(self)
+
+    def stall_seconds_since(self, since: float) -> float:
+        return sum(stall.seconds for stall in self.stalls if stall.at + stall.seconds >= since)

@@ -1,0 +1,106 @@
+"""Run the deterministic simulation of engines, store and tiers (kvstrata/sim, issue #37).
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --minutes 1 [--seed 7]
+    PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --replay trace.json
+    PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --scenarios
+
+Seeds run one after another from `--seed` (each draws its own world: 1-3 engines, tier
+policies, sizes) for at most `--events-per-seed` actions, until `--minutes` (or `--events`)
+are spent. After every action the invariants are checked (kvstrata/sim/invariants.py).
+A violation stops the run: the script prints it, shrinks the run to a short trace, prints
+that trace as one JSON line (replay it with `--replay`) and exits 1. The last line is
+always `N events, E events/s, V violations`.
+
+`--scenarios` runs the fixed interleavings of the issue's findings instead
+(kvstrata/sim/scenarios.py) and prints what each violates (nothing, once fixed).
+Iteration over sets of bytes depends on PYTHONHASHSEED: the script fixes it (re-executing
+itself) so a trace replays the same in any process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+if os.environ.get("PYTHONHASHSEED") != "0":  # one hash seed: traces replay the same in every process
+    os.environ["PYTHONHASHSEED"] = "0"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=1.0, help="wall-clock budget (default 1)")
+    parser.add_argument("--events", type=int, default=None, help="stop after this many events instead")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--events-per-seed", type=int, default=20_000)
+    parser.add_argument("--shrink-seconds", type=float, default=120.0)
+    parser.add_argument("--progress", action="store_true", help="a line after each seed (long runs in the background)")
+    parser.add_argument(
+        "--no-purge-races", action="store_true",
+        help="leave out weight updates (purges racing the work in flight) and the disk index check (#37, 3 and 4)",
+    )  # fmt: skip
+    parser.add_argument("--replay", help="a trace printed by a failing run (a file, or the JSON itself)")
+    parser.add_argument("--scenarios", action="store_true", help="run the fixed interleavings of issue #37")
+    args = parser.parse_args()
+    logging.disable(logging.CRITICAL)  # the store logs what it refuses: the checks say what matters
+
+    from kvstrata.sim.explore import replay, run_seed, shrink
+    from kvstrata.sim.scenarios import SCENARIOS
+    from kvstrata.sim.world import SimConfig
+
+    if args.scenarios:
+        failed = 0
+        for name, scenario in SCENARIOS.items():
+            violations = scenario()
+            failed += bool(violations)
+            print(f"{name}: {violations[0] if violations else 'ok'}")
+        print(f"{len(SCENARIOS)} scenarios, {failed} with violations")
+        return 1 if failed else 0
+    if args.replay:
+        text = Path(args.replay).read_text() if os.path.exists(args.replay) else args.replay
+        trace = json.loads(text)
+        config = SimConfig(**{**trace["config"], "flush_signal": tuple(trace["config"]["flush_signal"])})
+        started = time.perf_counter()
+        violations = replay(config, [tuple(action) for action in trace["actions"]])
+        seconds = time.perf_counter() - started
+        for violation in violations[:5]:
+            print(f"violation: {violation}")
+        events = len(trace["actions"])
+        print(f"{events} events, {events / max(seconds, 1e-9):.0f} events/s, {len(violations)} violations")
+        return 1 if violations else 0
+
+    deadline = time.perf_counter() + args.minutes * 60
+    started = time.perf_counter()
+    events, seed = 0, args.seed
+    while time.perf_counter() < deadline and (args.events is None or events < args.events):
+        budget = args.events_per_seed if args.events is None else min(args.events_per_seed, args.events - events)
+        result = run_seed(seed, budget, deadline, not args.no_purge_races)
+        events += result.events
+        if result.violations:
+            seconds = time.perf_counter() - started
+            print(f"seed {seed}: violation after {result.events} events: {result.violations[0]}")
+            small = shrink(result.config, result.actions, result.violations[0], args.shrink_seconds)
+            print(f"shrunk to {len(small)} actions; replay with --replay '<the JSON line below>':")
+            result.actions = small
+            print(result.trace())
+            print(f"{events} events, {events / seconds:.0f} events/s, 1 violations")
+            return 1
+        if args.progress:
+            seconds = time.perf_counter() - started
+            print(f"seed {seed}: {events} events, {events / seconds:.0f} events/s, 0 violations", flush=True)
+        seed += 1
+    seconds = time.perf_counter() - started
+    print(f"seeds {args.seed}..{seed - 1}")
+    print(f"{events} events, {events / seconds:.0f} events/s, 0 violations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
