@@ -27,14 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-if os.environ.get("PYTHONHASHSEED") != "0":  # one hash seed: traces replay the same in every process
-    os.environ["PYTHONHASHSEED"] = "0"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (importable without running anything: tests/docs checks the docs' commands)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=1.0, help="wall-clock budget (default 1)")
     parser.add_argument("--events", type=int, default=None, help="stop after this many events instead")
@@ -48,7 +45,11 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--replay", help="a trace printed by a failing run (a file, or the JSON itself)")
     parser.add_argument("--scenarios", action="store_true", help="run the fixed interleavings of issue #37")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     logging.disable(logging.CRITICAL)  # the store logs what it refuses: the checks say what matters
 
     from kvstrata.sim.explore import replay, run_seed, shrink
@@ -103,4 +104,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get("PYTHONHASHSEED") != "0":  # one hash seed: traces replay the same in every process
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     sys.exit(main())

@@ -26,12 +26,12 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
 from kvstrata.keys import key_name
 from kvstrata.namespaces import check_namespace
+from kvstrata.tiers.geometry import PoolGeometry  # noqa: F401 (imported from here across the code)
 from kvstrata.tiers.leases import LeaseTable
 from kvstrata.tiers.orphans import Reclaimed, log_reclaimed, orphan_candidates, reclaim
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
@@ -48,24 +48,6 @@ GROW_RETRY_SECONDS = 1.0  # after a segment could not be created
 
 class SlotError(ValueError):
     """A request about a slot that the caller does not own; names the slot and namespace."""
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    """What a worker needs to find slot bytes: pure data, sent over Ray."""
-
-    namespace: str
-    slot_bytes: int
-    slots_per_segment: int
-    path_template: str  # format() with segment=<int>
-
-    def segment_path(self, segment: int) -> str:
-        return self.path_template.format(segment=segment)
-
-    def locate(self, slot: int) -> tuple[int, int]:
-        """(segment index, byte offset in that segment) of a slot."""
-        segment, index = divmod(slot, self.slots_per_segment)
-        return segment, index * self.slot_bytes
 
 
 class SlotPool:
