@@ -6,6 +6,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import uuid  # noqa: E402
 
 import fsspec  # noqa: E402
@@ -33,3 +35,19 @@ def fingerprint_cache(tmp_path_factory):
         os.environ.pop("KVSTRATA_CACHE_DIR", None)
     else:
         os.environ["KVSTRATA_CACHE_DIR"] = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
+def vllm_ipc_sockets():
+    """vLLM names its engines' ZMQ sockets /tmp/<uuid> and leaves them behind: the tests' engines
+    make theirs in a folder of the session's, removed at its end (short: a socket's path has at
+    most 107 characters). In the environment, so engine cores and Serve replicas inherit it."""
+    previous = os.environ.get("VLLM_RPC_BASE_PATH")
+    folder = tempfile.mkdtemp(prefix="kvstrata-vllm-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    yield
+    if previous is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = previous
+    shutil.rmtree(folder, ignore_errors=True)
