@@ -261,7 +261,8 @@ class EngineConfig(_Strict):
         ge=1,
         le=1000,
         description="longest a request waits, in this engine's own scheduler steps, for a store that has "
-        "not answered since (a fresher view, a pin): then it is answered from what the engine knows",
+        "not answered since (a fresher view, a pin), and at least 8 of the store's usual round trips (an idle "
+        "engine's steps come faster than a healthy store answers): then it is answered from what the engine knows",
     )
     copy_threads: int = Field(
         default=2,

@@ -31,7 +31,7 @@ from typing import Any
 from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.actors.registration_check import public_epoch
 from kvstrata.connector.compat import make_event
-from kvstrata.connector.manager_state import ManagerState, Pin
+from kvstrata.connector.manager_state import SILENCE_FLOOR_SECONDS, SILENCE_ROUND_TRIPS, ManagerState, Pin
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 
 MISSED_PRUNE_AT = 4096  # recent misses kept before the expired ones are dropped
@@ -144,6 +144,13 @@ class ReplyInbox(ManagerState):
             else:
                 self._apply_reset(payload, sent_at)
 
+    def _measure_round_trip(self, seconds: float) -> None:
+        """How long the store takes to answer, as a waiting request sees it: the median of
+        the recent round trips (one stall does not move it), times SILENCE_ROUND_TRIPS."""
+        self._round_trips.append(seconds)
+        usual = sorted(self._round_trips)[len(self._round_trips) // 2]
+        self._silence_seconds = max(SILENCE_FLOOR_SECONDS, SILENCE_ROUND_TRIPS * usual)
+
     def _apply_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
         if request.epoch != self._epoch:
             return
@@ -151,6 +158,7 @@ class ReplyInbox(ManagerState):
         # `sent_at` plus a lease; HITs from local state stop at half of it (pins.py).
         self._trusted_until = max(self._trusted_until, sent_at + self._half_lease)
         self._answered_step = self._steps
+        self._measure_round_trip(self._clock() - sent_at)
         if reply.indexed:
             self._view_as_of = max(self._view_as_of, sent_at)
         self._reserve_outstanding -= request.reserve

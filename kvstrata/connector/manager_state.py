@@ -59,6 +59,11 @@ from kvstrata.tiers.changelog import CPU
 
 # A stock larger than this is hoarding slots other engines on the node could use.
 MAX_RESERVE_TARGET = 4096
+# A store is silent to a waiting request (pins.py) after this many of its recent round
+# trips (the median of the last ROUND_TRIP_SAMPLES), never sooner than SILENCE_FLOOR_SECONDS.
+SILENCE_ROUND_TRIPS = 8
+SILENCE_FLOOR_SECONDS = 0.05
+ROUND_TRIP_SAMPLES = 16
 
 
 @dataclass(slots=True)
@@ -175,7 +180,11 @@ class ManagerState:
         self._view_wanted = False  # a lookup waits for a view newer than the mirror
         # request -> the step since which it waits on the store (a fresher view, a pin):
         # at most `engine.view_wait_steps` of its own steps while the store says nothing.
-        self._store_wait_since: dict[str, int] = {}
+        self._store_wait_since: dict[str, tuple[int, float]] = {}  # (step, clock)
+        # ... and longer than the store usually takes to answer (inbox.py measures it): an
+        # idle engine ends a step every millisecond or less, a store answers in 1-35 ms.
+        self._round_trips: deque[float] = deque(maxlen=ROUND_TRIP_SAMPLES)
+        self._silence_seconds = self._lookup_wait  # until a round trip is measured
         self._view_wait_steps = config.engine.view_wait_steps
         self._steps = 0  # scheduler steps ended (on_schedule_end)
         self._answered_step = 0  # `_steps` when the store last answered

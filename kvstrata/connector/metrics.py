@@ -41,8 +41,8 @@ COUNTER_NAMES = {
     "requests_missed_at_first_lookup": "Requests whose first lookup found nothing kvstrata could serve (MISS).",
     "hints_sent": "KV hint actions (kv.prefetch, kv.retain, pin, unpin) sent to the node store.",
     "hints_dropped": "KV hint actions dropped: malformed, unsupported on this vLLM, or not deliverable (logged once per kind).",
-    "lookups_store_silent": "Lookups answered MISS after view_wait_steps of the engine's steps waiting on a store "
-    "that did not answer meanwhile.",
+    "lookups_store_silent": "Lookups answered MISS after view_wait_steps of the engine's steps, and 8 of the store's "
+    "usual round trips, waiting on a store that did not answer meanwhile.",
     "lease_unproven": "Chunks not stored because the engine's last answer from the store was older than half a "
     "lease (its reserved slots may have gone to another engine).",
 }

@@ -6,7 +6,8 @@
   HIT_PENDING for one this engine is storing, RETRY while a promotion (or a fresher
   view of the store) is on its way, MISS otherwise -- and MISS, to recompute, once a
   request has waited `lookup_wait_seconds`, or `view_wait_steps` of this engine's steps
-  on a store that said nothing meanwhile (counted: `lookups_store_silent`). With
+  on a store that said nothing meanwhile and for longer than it usually takes to answer
+  (`SILENCE_ROUND_TRIPS` of its recent round trips; counted: `lookups_store_silent`). With
   `admission.load: break_even`, MISS from the chunk on where loading the rest from a
   lower tier would be slower than recomputing it (load_admission.py decides, once per
   request). No HIT from local state while the engine cannot prove its lease (its last
@@ -182,10 +183,13 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         however long it stalls (issue #37, finding 7)."""
         since = self._store_wait_since.get(req_id)
         if since is None:
-            self._store_wait_since[req_id] = self._steps
+            self._store_wait_since[req_id] = (self._steps, self._clock())
             return False
-        if self._steps - since < self._view_wait_steps or self._answered_step > since:
+        steps, began = since
+        if self._steps - steps < self._view_wait_steps or self._answered_step > steps:
             return False
+        if self._clock() - began < self._silence_seconds:
+            return False  # steps of an idle engine come fast: the store's usual answer is not silence
         self._counters["lookups_store_silent"] += 1
         return True
 

@@ -46,6 +46,7 @@ class Request:
     # The step since which the request waits for the store (a view or a pin), and whether a
     # reply was applied since: the bound of finding 7 (`World.check_waits`).
     waiting_since: int | None = None
+    waiting_since_t: float = 0.0  # the clock then
     replies_seen: int = 0
 
 
@@ -212,6 +213,7 @@ class SimEngine:
         if any(result is not HIT for _, result in results):
             if req.waiting_since is None:
                 req.waiting_since, req.replies_seen = self.step_no, self.answers
+                req.waiting_since_t = self.world.clock()
             self.world.check_wait(self, req)
             return None
         self.waiting.remove(req)

@@ -36,6 +36,7 @@ World = SimEngine = Copy = Request = Any
 
 INTERNAL = (CASCADE, UPLOAD, PROMOTE)
 WAIT_SLACK_STEPS = 2  # beyond engine.view_wait_steps: a store copy lands within two steps
+WAIT_SLACK_FACTOR = 2  # beyond the manager's silence time (a step's length, measured roughly)
 
 
 def _matches(view: np.ndarray | None, expected: bytes) -> bool:
@@ -77,8 +78,12 @@ def check_store_write(world: World, engine: SimEngine, copy: Copy) -> None:
 def check_wait(world: World, engine: SimEngine, req: Request) -> None:
     bound = getattr(world.kv_config.engine, "view_wait_steps", 3) + WAIT_SLACK_STEPS
     waited = engine.step_no - req.waiting_since
-    if waited > bound and engine.answers == req.replies_seen:
-        world.violation(f"{engine.holder}: request {req.id} waited {waited} steps on a store that has not answered")
+    # ... and, in time, the store's usual answer (pins.py: steps of an idle engine come fast)
+    waited_s = world.clock() - req.waiting_since_t
+    if waited > bound and waited_s > WAIT_SLACK_FACTOR * engine.manager._silence_seconds and engine.answers == req.replies_seen:
+        world.violation(
+            f"{engine.holder}: request {req.id} waited {waited} steps, {waited_s:.3f} s, on a store that has not answered"
+        )
 
 
 def known_slots(world: World, engine: SimEngine) -> set[int]:
