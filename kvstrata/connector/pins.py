@@ -173,14 +173,16 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         return LookupResult.MISS
 
     def _store_silent(self, req_id: str) -> bool:
-        """Whether the request has waited `view_wait_steps` of this engine's steps on a store
+        """Whether the request has waited `view_wait_steps` of this engine's steps, and
+        `_silence_seconds` (SILENCE_ROUND_TRIPS of the store's usual round trip), on a store
         that has not answered since (for a fresher view or a pin); then it is answered from
         what this engine knows. A store that answers (a promotion on its way, a bucket still
         being listed) is waited for up to `lookup_wait_seconds`.
 
-        Why steps, not seconds: a request's cost is the steps it sits out; a store that
-        stalls (a long call, a hung disk read) must cost each request a few steps at most,
-        however long it stalls (issue #37, finding 7)."""
+        Why steps: a request's cost is the steps it sits out; a store that stalls (a long
+        call, a hung disk read) must cost each request a few steps at most, however long it
+        stalls (issue #37, finding 7). Why also time: an engine whose only requests wait
+        ends a step every millisecond or less, sooner than a healthy store answers."""
         since = self._store_wait_since.get(req_id)
         if since is None:
             self._store_wait_since[req_id] = (self._steps, self._clock())

@@ -82,19 +82,23 @@ def prompt_token_ids(checkpoint: Path, prompts: list[str]) -> set[int]:
 
 def stop(llm) -> None:
     shutdown_llm(llm)
-    del llm
     gc.collect()
+
+
+def one_round(checkpoint: Path, prompts: list[str]) -> list[dict]:
+    """The prompts once, by an engine of `checkpoint` started for them and stopped after."""
+    llm = make_llm(checkpoint, CONFIG)
+    try:
+        return run_round(llm, prompts)
+    finally:
+        stop(llm)
 
 
 def test_an_embedding_edit_in_place_is_another_model_and_a_copy_is_the_same(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine cores in this process: quicker starts
     served = build_tiny_llama(tmp_path / "served", seed=11)
     prompts = unsampled_prompts(served)
-    llm = make_llm(served, CONFIG)
-    try:
-        first = run_round(llm, prompts)
-    finally:
-        stop(llm)
+    first = one_round(served, prompts)
     assert [r["cached_tokens"] for r in first] == [0, 0]
 
     copy = shutil.copytree(served, tmp_path / "other-node" / "copy-of-served")
@@ -105,11 +109,7 @@ def test_an_embedding_edit_in_place_is_another_model_and_a_copy_is_the_same(clus
 
     # The edited checkpoint, same path, same file sizes: nothing from kvstrata, so every
     # token is its own computation; the edit matters (control), so a shared chunk would show.
-    llm = make_llm(served, CONFIG)
-    try:
-        edited = run_round(llm, prompts)
-    finally:
-        stop(llm)
+    edited = one_round(served, prompts)
     assert [r["cached_tokens"] for r in edited] == [0, 0]
     assert [r["token_ids"] for r in edited] != [r["token_ids"] for r in first]
 
