@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from kvstrata.actors.hints import MAX_HINT_KEYS
+from kvstrata.store.hints import MAX_HINT_KEYS
 from kvstrata.routing.figures import node_figures
 from kvstrata.routing.keys import chunks_of_prompt
 from kvstrata.routing.prompt import Tokenizers, render_token_ids

@@ -127,5 +127,5 @@ def test_the_checks_see_what_they_claim(graph):
     """The walk finds lazy imports and relative ones; a checker that sees nothing passes vacuously."""
     assert "kvstrata.actors.client" in graph["kvstrata.connector.spec"]  # imported inside get_manager
     assert "vllm" in graph[VLLM_GATEWAY]
-    assert any(within(imported, "kvstrata.tiers") for imported in graph["kvstrata.actors.node_store"])
+    assert any(within(imported, "kvstrata.tiers") for imported in graph["kvstrata.store.node_store"])
     assert "kvstrata.connector.compat" in graph["kvstrata.routing.keys"]  # vLLM's hashing, imported lazily

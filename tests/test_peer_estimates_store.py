@@ -16,9 +16,9 @@ import ray
 from rich.console import Console
 
 from kvstrata.actors.directory import holder_label
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 from kvstrata.actors.peers import PeerSync
-from kvstrata.actors.promotion import PROMOTE
+from kvstrata.store.promotion import PROMOTE
 from kvstrata.actors.store_metrics import metric_samples
 from kvstrata.cli.status_view import render_store
 from kvstrata.config import ClusterConfig, load_config

@@ -13,9 +13,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 from kvstrata.actors.options import STORE_NAMESPACE, node_store_options, store_actor_name
-from kvstrata.actors.protocol import Registration, StepReply, StepRequest
+from kvstrata.protocol import Registration, StepReply, StepRequest
 from kvstrata.actors.secrets import stash_secrets
 from kvstrata.config import KvstrataConfig
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvstrata.actors import disk_jobs
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager

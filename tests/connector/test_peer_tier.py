@@ -14,9 +14,9 @@ import pytest
 import ray
 
 from kvstrata.actors.directory import holder_label
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.actors.peers import PeerSync
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.protocol import StepRequest
 from kvstrata.config import ClusterConfig, load_config
 from kvstrata.connector.compat import Locality, LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvstrata.actors.purge import Purge
+from kvstrata.store.purges import Purge
 from kvstrata.sim.explore import config_for, replay, run_seed, shrink
 from kvstrata.sim.world import SimConfig
 from kvstrata.tiers.reuse import DeferredReuse

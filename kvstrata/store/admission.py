@@ -28,7 +28,7 @@ does: `_copy_down`).
 
 from __future__ import annotations
 
-from kvstrata.actors.store_state import StoreState, logger
+from kvstrata.store.context import StoreState, logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.estimates import TierEstimates, peer_node
 from kvstrata.tiers.frequency import ReuseCounter

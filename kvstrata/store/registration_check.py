@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING
 from kvstrata.keys import namespace_of
 
 if TYPE_CHECKING:
-    from kvstrata.actors.store_state import StoreState
+    from kvstrata.store.context import StoreState
 
 # The store's logger (store_state.py), named here: the engine's manager imports this module
 # for `public_epoch` and must not import the store's parts.
-logger = logging.getLogger("kvstrata.actors.node_store")
+logger = logging.getLogger("kvstrata.store.node_store")
 
 # vLLM's prefix-cache hashes that are not collision resistant (vllm/v1/core/kv_cache_utils.py).
 NON_CRYPTOGRAPHIC_HASHES = frozenset({"xxhash", "xxhash_cbor"})

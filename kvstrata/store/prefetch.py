@@ -40,8 +40,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from kvstrata.actors.registration_check import shared_across_nodes
-from kvstrata.actors.store_state import StoreState, logger
+from kvstrata.store.registration_check import shared_across_nodes
+from kvstrata.store.context import StoreState, logger
 from kvstrata.keys import key_group
 from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.arena import SlotPool

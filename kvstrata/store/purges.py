@@ -31,7 +31,7 @@ Must not: do the parts' I/O itself; it calls the tiers' own purges.
 
 from __future__ import annotations
 
-from kvstrata.actors.store_state import StoreState, logger
+from kvstrata.store.context import StoreState, logger
 from kvstrata.tiers.changelog import OBJECT
 
 

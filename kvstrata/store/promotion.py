@@ -23,11 +23,11 @@ import time
 from concurrent.futures import Future
 from functools import partial
 
-from kvstrata.actors.disk_jobs import submit_disk_jobs
-from kvstrata.actors.hints import Hints
-from kvstrata.actors.purge import Purge
-from kvstrata.actors.registration_check import shared_across_nodes
-from kvstrata.actors.store_state import logger
+from kvstrata.store.disk_jobs import submit_disk_jobs
+from kvstrata.store.hints import Hints
+from kvstrata.store.purges import Purge
+from kvstrata.store.registration_check import shared_across_nodes
+from kvstrata.store.context import logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.changelog import OBJECT, PEER
 

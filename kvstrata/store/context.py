@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from kvstrata.actors.chunk_audit import ChunkAudit
-from kvstrata.actors.io_meter import IoMeter
+from kvstrata.store.chunk_audit import ChunkAudit
+from kvstrata.store.io_meter import IoMeter
 from kvstrata.actors.peers import PeerSync
 from kvstrata.config import KvstrataConfig
 from kvstrata.tiers.arena import Arena
@@ -36,7 +36,7 @@ from kvstrata.tiers.object_store import ObjectTier
 
 # One logger for every part of the store, named as it was before the store was split, so
 # logging configuration that names it keeps working.
-logger = logging.getLogger("kvstrata.actors.node_store")
+logger = logging.getLogger("kvstrata.store.node_store")
 # Where a promotion brings a chunk from: this node's disk, another node's store, the bucket.
 PROMOTION_SOURCES = ("disk", "peer", "object")
 

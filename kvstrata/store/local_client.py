@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvstrata.actors.protocol import Registration, StepReply, StepRequest
-from kvstrata.actors.store_control import StoreControl
+from kvstrata.protocol import Registration, StepReply, StepRequest
+from kvstrata.store.control import StoreControl
 
 
 class LocalStoreClient:

@@ -24,11 +24,11 @@ from __future__ import annotations
 import time
 from functools import partial
 
-from kvstrata.actors.admission import ReuseAdmission
-from kvstrata.actors.disk_jobs import submit_disk_jobs
-from kvstrata.actors.purge import Purge
-from kvstrata.actors.registration_check import shared_across_nodes
-from kvstrata.actors.store_state import logger
+from kvstrata.store.admission import ReuseAdmission
+from kvstrata.store.disk_jobs import submit_disk_jobs
+from kvstrata.store.purges import Purge
+from kvstrata.store.registration_check import shared_across_nodes
+from kvstrata.store.context import logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.changelog import OBJECT
 

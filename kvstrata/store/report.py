@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from kvstrata.actors.io_meter import DIRECTIONS
-from kvstrata.actors.store_state import PROMOTION_SOURCES, StoreState
+from kvstrata.store.io_meter import DIRECTIONS
+from kvstrata.store.context import PROMOTION_SOURCES, StoreState
 from kvstrata.tiers.changelog import OBJECT
 from kvstrata.tiers.estimates import peer_node
 

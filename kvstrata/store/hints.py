@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvstrata.actors.prefetch import Prefetch, _check_keys
+from kvstrata.store.prefetch import Prefetch, _check_keys
 from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.retention import MAX_PRIORITY, RetentionOrder, RetentionTable

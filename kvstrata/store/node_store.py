@@ -45,18 +45,18 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvstrata.actors.chunk_audit import ChunkAudit
+from kvstrata.store.chunk_audit import ChunkAudit
 from kvstrata.actors.directory import directory_shard
-from kvstrata.actors.executors import ExecutorFactory, thread_pools
-from kvstrata.actors.io_meter import IoMeter
-from kvstrata.actors.local_client import LocalStoreClient
+from kvstrata.store.executors import ExecutorFactory, thread_pools
+from kvstrata.store.io_meter import IoMeter
+from kvstrata.store.local_client import LocalStoreClient
 from kvstrata.actors.options import in_ray_actor, node_tag
 from kvstrata.actors.peers import PeerSync
 from kvstrata.actors.secrets import resolve_secrets
-from kvstrata.actors.store_control import StoreControl
+from kvstrata.store.control import StoreControl
 from kvstrata.actors.store_metrics import MetricsExporter, metric_samples
-from kvstrata.actors.store_report import store_report
-from kvstrata.actors.store_state import PROMOTION_SOURCES, logger
+from kvstrata.store.report import store_report
+from kvstrata.store.context import PROMOTION_SOURCES, logger
 from kvstrata.config import KvstrataConfig, load_config
 from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.arena import Arena

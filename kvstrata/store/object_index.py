@@ -17,8 +17,8 @@ Must not: upload or download chunks (cascade.py, promotion.py).
 
 from __future__ import annotations
 
-from kvstrata.actors.purge import Purge
-from kvstrata.actors.store_state import logger
+from kvstrata.store.purges import Purge
+from kvstrata.store.context import logger
 from kvstrata.tiers.changelog import OBJECT
 
 

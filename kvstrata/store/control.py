@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstrata.actors.cascade import Cascade
-from kvstrata.actors.object_index import ObjectIndex
-from kvstrata.actors.promotion import Promotion
-from kvstrata.actors.protocol import Registration, StepReply, StepRequest
-from kvstrata.actors.registration_check import check_registration
-from kvstrata.actors.store_state import logger
+from kvstrata.store.cascade import Cascade
+from kvstrata.store.object_index import ObjectIndex
+from kvstrata.store.promotion import Promotion
+from kvstrata.protocol import Registration, StepReply, StepRequest
+from kvstrata.store.registration_check import check_registration
+from kvstrata.store.context import logger
 from kvstrata.namespaces import check_holder, check_namespace, check_tenant
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.changelog import CPU
