@@ -17,75 +17,82 @@ already reused, else when a later use makes it reused while it is still in the a
 not copied at commit or eviction is counted in `disk_writes_skipped_reuse` /
 `object_uploads_skipped_reuse` (a late copy may still follow).
 
-Also owns the store's side of `admission.load` (load or recompute): `tier_estimates`,
-what each lower tier delivered to promotions, sent to engines with every step reply
-(connector/load_admission.py decides there).
+Also the store's side of `admission.load` (load or recompute): `tier_costs`, what each
+lower tier delivered to promotions (the context's `tier_estimates`), sent to engines with
+every step reply (connector/load_admission.py decides there).
 
-Owns: `_reuse` (None when no tier uses `reuse`), the two counters, `tier_estimates`. Called under the
-store lock (the sketch is not thread-safe). Must not: queue copies itself (cascade.py
-does: `_copy_down`).
+Tiers are asked by name: `admission.store.<tier name>: reuse` puts a tier under the test
+(a tier the config does not name admits everything).
+
+Owns: `_reuse` (None when no tier uses `reuse`), the tiers under the test, the
+`<counter>_skipped_reuse` counters. Called under the store lock (the sketch is not
+thread-safe). Must not: queue copies itself (cascade.py does).
 """
 
 from __future__ import annotations
 
-from kvstrata.store.context import StoreState, logger
+from collections.abc import Callable, Sequence
+
+from kvstrata.store.context import StoreContext, logger
 from kvstrata.tiers.arena import SlotPool
-from kvstrata.tiers.estimates import TierEstimates, peer_node
+from kvstrata.tiers.base import LowerTier
+from kvstrata.tiers.estimates import peer_node
 from kvstrata.tiers.frequency import ReuseCounter
 
+Items = list[tuple[bytes, int]]
 
-class ReuseAdmission(StoreState):
-    """Mixin of `NodeStore` (through `Cascade`): the reuse test on the cascade's copies."""
 
-    def _init_admission(self) -> None:
-        store = self.config.admission.store
-        self._reuse_disk = store.disk == "reuse"
-        self._reuse_object = store.object == "reuse"
-        self._reuse = ReuseCounter(store.window, store.min_uses) if self._reuse_disk or self._reuse_object else None
-        self.counters["disk_writes_skipped_reuse"] = 0
-        self.counters["object_uploads_skipped_reuse"] = 0
-        # What each lower tier delivered to promotions (promotion.py observes), for engines'
-        # `admission.load: break_even`; the estimates ride on every step reply.
-        self.tier_estimates = TierEstimates(self._clock)
+class ReuseAdmission:
+    """The reuse test on the cascade's copies."""
+
+    def __init__(self, ctx: StoreContext, tiers: Sequence[LowerTier]):
+        self._ctx = ctx
+        store = ctx.config.admission.store
+        self._tested = {tier.name for tier in tiers if getattr(store, tier.name, None) == "reuse"}
+        self._reuse = ReuseCounter(store.window, store.min_uses) if self._tested else None
+        for counter in ["disk_writes", "object_uploads"] + [tier.counter for tier in tiers if tier.counter]:
+            ctx.counters[f"{counter}_skipped_reuse"] = 0
         if self._reuse is not None:
             logger.info(
                 "kvstrata node store: admission to disk %s, object %s (min_uses %d within %d uses per namespace)",
                 store.disk, store.object, store.min_uses, store.window,
             )  # fmt: skip
 
-    def _tier_costs(self) -> dict[str, tuple[float, float, float]]:
+    @property
+    def estimate(self) -> Callable[[str, bytes], int] | None:
+        """The sketch's estimate of a chunk's uses, for the tiers' eviction (None: no sketch)."""
+        return self._reuse.estimate if self._reuse is not None else None
+
+    def tier_costs(self) -> dict[str, tuple[float, float, float]]:
         """The tiers' estimates (`disk`, `object`, `peer`) for a step reply. Not the per-peer
         ones (`peer:<node>`): an engine's mirror does not say which peer holds a chunk."""
         return {
             tier: (cost.latency_seconds, cost.bytes_per_second, cost.age_seconds)
-            for tier, cost in self.tier_estimates.costs().items()
+            for tier, cost in self._ctx.tier_estimates.costs().items()
             if peer_node(tier) is None
         }
 
-    def _admit_commits(
-        self, namespace: str, committed: list[tuple[bytes, int]], to_disk: bool, to_object: bool
-    ) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
-        """Count the commits as uses; the (key, slot) pairs the write_through disk and
-        object tiers admit now (`to_disk`/`to_object`: whether the tier copies at commit)."""
+    def admit_commits(self, namespace: str, committed: Items, tiers: Sequence[LowerTier]) -> dict[str, Items]:
+        """Count the commits as uses; per tier of `tiers` (those copying at commit), the
+        (key, slot) pairs it admits now."""
         if self._reuse is None:
-            return (committed if to_disk else []), (committed if to_object else [])
+            return {tier.name: committed for tier in tiers}
         reused = self._reuse.note(namespace, [key for key, _ in committed])
         admitted = [item for item, ok in zip(committed, reused) if ok]
-        disk = (admitted if self._reuse_disk else committed) if to_disk else []
-        upload = (admitted if self._reuse_object else committed) if to_object else []
-        if to_disk and self._reuse_disk:
-            self.counters["disk_writes_skipped_reuse"] += len(committed) - len(admitted)
-        if to_object and self._reuse_object:
-            self.counters["object_uploads_skipped_reuse"] += len(committed) - len(admitted)
-        return disk, upload
+        out = {}
+        for tier in tiers:
+            if tier.name in self._tested:
+                out[tier.name] = admitted
+                self._ctx.counters[f"{tier.counter}_skipped_reuse"] += len(committed) - len(admitted)
+            else:
+                out[tier.name] = committed
+        return out
 
-    def _note_reuse(
-        self, namespace: str, pool: SlotPool, keys: list[bytes], to_disk: bool, to_object: bool
-    ) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
+    def note_reuse(self, namespace: str, pool: SlotPool, keys: list[bytes], tiers: Sequence[LowerTier]) -> dict[str, Items]:
         """Count HITs and pins as uses; the resident chunks that just became reused, to be
-        copied late to the write_through tiers that skipped them at commit."""
+        copied late to the tiers of `tiers` (those copying at commit) that skipped them."""
         if self._reuse is None or not keys:
-            return [], []
+            return {}
         before = self._reuse.reused(namespace, keys)
         after = self._reuse.note(namespace, keys)
         late: dict[bytes, int] = {}
@@ -95,17 +102,17 @@ class ReuseAdmission(StoreState):
                 if slot is not None:
                     late[key] = slot
         items = list(late.items())
-        return (items if to_disk and self._reuse_disk else []), (items if to_object and self._reuse_object else [])
+        return {tier.name: items for tier in tiers if tier.name in self._tested and items}
 
-    def _admit_eviction(self, namespace: str, key: bytes, to_disk: bool, to_object: bool) -> tuple[bool, bool]:
-        """Whether an evicted chunk goes to the write_back disk and object tiers."""
-        if self._reuse is None or not (to_disk or to_object):
-            return to_disk, to_object
+    def admit_eviction(self, namespace: str, key: bytes, tiers: Sequence[LowerTier]) -> list[LowerTier]:
+        """Of `tiers` (those copying at eviction), the ones an evicted chunk goes to."""
+        if self._reuse is None or not tiers:
+            return list(tiers)
         reused = self._reuse.reused(namespace, [key])[0]
-        if to_disk and self._reuse_disk and not reused:
-            to_disk = False
-            self.counters["disk_writes_skipped_reuse"] += 1
-        if to_object and self._reuse_object and not reused:
-            to_object = False
-            self.counters["object_uploads_skipped_reuse"] += 1
-        return to_disk, to_object
+        admitted = []
+        for tier in tiers:
+            if tier.name in self._tested and not reused:
+                self._ctx.counters[f"{tier.counter}_skipped_reuse"] += 1
+            else:
+                admitted.append(tier)
+        return admitted

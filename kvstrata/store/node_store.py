@@ -1,76 +1,86 @@
 """The node store: owner of one node's tiers, shared by every engine on the node.
 
-It is a plain class so it can be unit-tested and benchmarked without Ray; `client`
-wraps it as a named, detached, node-pinned Ray actor. Ray serialises the calls; disk
-I/O runs on a small thread pool, so a lock guards the arena and the store's own state
-(the disk tier and the change logs lock themselves). Every call first expires dead
+It is plain Python (no Ray, no vLLM) so it can be unit-tested, simulated and benchmarked
+in-process; actors/node_actor.py runs it as a named, detached, node-pinned Ray actor
+(with the cluster's secrets, the peer link and the metrics exporter). Ray serialises the
+calls; I/O runs on small thread pools, so one lock guards the arena and the store's own
+state (the disk tier and the change logs lock themselves). Every call first expires dead
 engines' leases.
 
-Between tiers:
-- cascade: a committed chunk is written to disk in the background (`write_through`),
-  or when the arena evicts it (`write_back`); the slot stays pinned by the cascade
-  until the write is done. A full queue drops the write (counted), never blocks.
-- promotion: a pin asked for a chunk that is only on disk reserves an arena slot, reads
-  and verifies the chunk on an I/O thread, and commits it; meanwhile the engine is told
-  `pending` (it answers RETRY), and its next pin request finds the chunk in the arena.
-  A failed or corrupt read leaves the chunk nowhere, so the next request is a MISS.
-- object tier (shared by all nodes): committed chunks are uploaded in the background
-  (`write_through`, skipped when the bucket already holds them) or when evicted
-  (`write_back`), under the same bounded-queue rule. What the bucket holds is learned
-  from this store's own uploads and from a sweep (one listing of the whole URL) every
-  `index_refresh_seconds` and whenever a new namespace registers, so chunks other nodes
-  stored become hits here; the sweep also deletes what `capacity` and `ttl_seconds` rule
-  out. Promotion prefers the local disk and falls back to the object store.
+Between tiers (the tiers below the arena are `LowerTier`s, tiers/base.py, tried in order):
+- cascade (cascade.py): a committed chunk is copied down in the background
+  (`write_through`), or when the arena evicts it (`write_back`); the slot stays pinned
+  until the copy is done. A full queue drops the copy (counted), never blocks.
+- promotion (promotion.py): a pin asked for a chunk that is not in the arena reserves a
+  slot, reads and verifies the chunk on the tier's I/O thread, and commits it; meanwhile
+  the engine is told `pending` (it answers RETRY), and its next pin request finds the
+  chunk in the arena. A failed or corrupt read leaves the chunk nowhere: a MISS.
+- object tier (object_lower.py, object_index.py; shared by all nodes): what the bucket
+  holds is learned from this store's own uploads and from a sweep every
+  `index_refresh_seconds` and whenever a new namespace registers.
 
-The store is assembled from parts, one module each, mixins over the state they share
-(store_state.py says why mixins):
-- store_control.py: the calls engines make (register, step, release_holder) and other
-  stores make (export_chunks);
-- cascade.py: copies to disk and the object store; disk_jobs.py: how disk I/O is cut
-  into jobs;
-- promotion.py: reads from disk, peers and the object store into the arena;
-- object_index.py: the sweep of the object store;
+The store is assembled from parts, one module each, plain classes that own their fields
+and are handed what they need (context.py: the `StoreContext` they share):
+- control.py: the calls engines make (register, step, release_holder) and other stores
+  make (export_chunks), and the order of a step;
+- purges.py, admission.py, cascade.py, promotion.py, prefetch.py, hints.py,
+  object_index.py: the parts behind a step; lower.py, object_lower.py: the tiers below;
 - local_client.py: `LocalStoreClient`, the in-process client (re-exported here).
-This module owns the assembly: building the state and the tiers, the start-up of an
-actor's process, and the calls for tools and tests (read, locate, keys, purge, stats,
-wait_io, close). It must not grow the parts' logic back.
+This module owns the assembly (building the context, the lower tiers and the parts, and
+wiring the listeners: a purge tells hints, a landed promotion tells prefetch) and the
+calls for tools and tests (read, locate, keys, purge, stats, wait_io, close), a few lines
+each. It must not grow the parts' logic back.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from contextlib import AbstractContextManager
 from typing import Any
 
-from kvstrata.store.chunk_audit import ChunkAudit
-from kvstrata.actors.directory import directory_shard
-from kvstrata.store.executors import ExecutorFactory, thread_pools
-from kvstrata.store.io_meter import IoMeter
-from kvstrata.store.local_client import LocalStoreClient
-from kvstrata.actors.options import in_ray_actor, node_tag
-from kvstrata.actors.peers import PeerSync
-from kvstrata.actors.secrets import resolve_secrets
-from kvstrata.store.control import StoreControl
-from kvstrata.actors.store_metrics import MetricsExporter, metric_samples
-from kvstrata.store.report import store_report
-from kvstrata.store.context import PROMOTION_SOURCES, logger
 from kvstrata.config import KvstrataConfig, load_config
 from kvstrata.namespaces import check_namespace
+from kvstrata.protocol import HintAction, Registration, StepReply, StepRequest
+from kvstrata.store.admission import ReuseAdmission
+from kvstrata.store.cascade import Cascade
+from kvstrata.store.chunk_audit import ChunkAudit
+from kvstrata.store.context import PROMOTION_SOURCES, StoreContext, logger
+from kvstrata.store.control import StoreControl
+from kvstrata.store.executors import ExecutorFactory, thread_pools
+from kvstrata.store.hints import Hints
+from kvstrata.store.local_client import LocalStoreClient
+from kvstrata.store.lower import DiskLower, PeerLink, PeerLower
+from kvstrata.store.object_index import ObjectIndex
+from kvstrata.store.object_lower import ObjectLower
+from kvstrata.store.prefetch import Prefetch
+from kvstrata.store.promotion import Promotion
+from kvstrata.store.purges import Purges
+from kvstrata.store.report import store_report
 from kvstrata.tiers.arena import Arena
-from kvstrata.tiers.changelog import CPU, STORAGE
-from kvstrata.tiers.disk import DIGEST_THREADS, DiskTier, DiskTierError
+from kvstrata.tiers.base import LowerTier, lower_tier_factory
+from kvstrata.tiers.changelog import CPU
+from kvstrata.tiers.disk import DiskTier
 from kvstrata.tiers.object_store import ObjectTier
 from kvstrata.url_credentials import redact_url
 
-# What tests, benchmarks and `client` import from here.
-__all__ = ["LocalStoreClient", "NodeStore", "freeze_startup_heap"]
+# What tests, benchmarks and the actor import from here.
+__all__ = ["DEFAULT_LOWER_TIERS", "LocalStoreClient", "NodeStore"]
+# The tiers below the arena, in promotion order: this node's disk, other nodes' stores
+# (when a peer link is given), the bucket. A name is built by its registered factory.
+DEFAULT_LOWER_TIERS = ("disk", "peer", "object")
 
 
-class NodeStore(StoreControl):
-    """One node's store: the parts listed above, over the state built here (declared in `StoreState`)."""
+def node_tag(node_id: str) -> str:
+    """Short node tag used in shared-memory file names (simulated nodes share /dev/shm)."""
+    return node_id[:12]
+
+
+class NodeStore:
+    """One node's store: the parts listed above, over the context built here."""
 
     def __init__(
         self,
@@ -78,122 +88,218 @@ class NodeStore(StoreControl):
         node_id: str,
         clock: Callable[[], float] = time.monotonic,
         executors: ExecutorFactory = thread_pools,
+        *,
+        peers: PeerLink | None = None,
+        lower: Sequence[str | LowerTier] | None = None,
     ):
-        self.config = load_config(resolve_secrets(config))  # credentials come by the cluster's KV store
-        self.node_id = node_id
-        cpu = self.config.tiers.cpu
-        self.arena = Arena(
+        """`peers`: the link to other nodes' stores (actors/peers.py), None on one node.
+        `lower`: the tiers below the arena in promotion order, by registered name
+        (tiers/base.py) or built; default `DEFAULT_LOWER_TIERS`, each where the config
+        enables it."""
+        config = load_config(config)
+        cpu = config.tiers.cpu
+        arena = Arena(
             shm_dir=cpu.shm_dir,
             node_tag=node_tag(node_id),
             capacity=cpu.capacity,
             segment_size=cpu.segment_size,
-            lease_seconds=self.config.engine.lease_seconds,
+            lease_seconds=config.engine.lease_seconds,
             eviction_policy=cpu.eviction_policy,
             prefault=cpu.prefault,
             clock=clock,
-            quotas=self.config.tier_quotas("cpu"),
+            quotas=config.tier_quotas("cpu"),
         )
-        self._lock = threading.RLock()
-        self._logs = {}
-        self.layouts = {}
-        self._registered = set()
-        self._holders = {}
-        self._sessions = {}
-        self._recompute_rates = {}
-        self.counters = {
-            "promotions": 0,
-            "promotion_failures": 0,
-            "disk_writes_queued": 0,
-            "disk_writes_dropped": 0,
-            "object_uploads_queued": 0,
-            "object_uploads_dropped": 0,
-            "engine_pins": 0,  # chunks pinned for engines to load: what kvstrata served
-            "pins_missing": 0,  # chunks engines asked for that no tier could bring
-            # Promotions by source: disk, another node's store (peer), the object store.
-            **{f"{source}_{what}": 0 for source in PROMOTION_SOURCES for what in ("promotions", "promotion_failures")},
-            "chunks_exported": 0,  # chunks handed to another node's store
-            "holders_refused": 0,  # registrations, steps and releases naming another engine's holder
-        }
-        self.io_meter = IoMeter(clock)
-        self.audit = ChunkAudit() if cpu.audit_chunks else None
-        self._clock = clock
-        self._executors = executors  # where background jobs run (executors.py: the seam tests replace)
-        # Each part's own state (see its module).
-        self._init_cascade()
-        self._init_object_index()
-        self._init_promotion()
-        self._init_purge()
-        # Notified whenever I/O in flight ends, so `wait_io` returns the moment the last
-        # job does (polling added up to a poll interval to every measurement).
-        self._io_done = threading.Condition(self._lock)
-        self.disk = None
-        self.disk_error = None
-        self._io = None
-        self._open_disk()
-        self.object = None
-        self._object_io = None
-        if self.config.tiers.object is not None:
-            self.object = ObjectTier(self.config.tiers.object, clock=clock, quotas=self.config.tier_quotas("object"))
-            self.object.reuse_of = self._reuse.estimate if self._reuse is not None else None  # sweeps spare reused chunks
-            # Batches queue here; each fans out over the tier's own max_concurrency threads.
-            self._object_io = executors("object", 2)
-        self.peers = None
-        self._peer_io = None
-        if self.config.cluster is not None and _in_ray():
-            self.peers = PeerSync(node_id, self.config.cluster, lambda: dict(self._logs), directory_shard).start()
-            self._peer_io = executors("peer", 2)
-        self._metrics = None
-        if in_ray_actor():
-            freeze_startup_heap()
-            self._metrics = MetricsExporter(lambda: metric_samples(self.stats()), name="kvstrata-store-metrics").start()
+        ctx = self.ctx = StoreContext(config, node_id, clock, executors, arena, ChunkAudit() if cpu.audit_chunks else None)
+        ctx.counters.update(
+            {
+                "promotions": 0,
+                "promotion_failures": 0,
+                "disk_writes_queued": 0,
+                "disk_writes_dropped": 0,
+                "object_uploads_queued": 0,
+                "object_uploads_dropped": 0,
+                "engine_pins": 0,  # chunks pinned for engines to load: what kvstrata served
+                "pins_missing": 0,  # chunks engines asked for that no tier could bring
+                # Promotions by source: disk, another node's store (peer), the object store.
+                **{f"{source}_{what}": 0 for source in PROMOTION_SOURCES for what in ("promotions", "promotion_failures")},
+                "chunks_exported": 0,  # chunks handed to another node's store
+                "holders_refused": 0,  # registrations, steps and releases naming another engine's holder
+            }
+        )
+        # The tiers below the arena. The parts are handed this list; `attach_peers` adds
+        # the peer tier to it in place (tests attach one to a built store).
+        self.tiers: list[LowerTier] = []
+        for entry in DEFAULT_LOWER_TIERS if lower is None else lower:
+            if entry == "peer":
+                if peers is not None:
+                    self.tiers.append(PeerLower(ctx, peers, executors("peer", 2)))
+                continue
+            tier = lower_tier_factory(entry)(ctx) if isinstance(entry, str) else entry
+            if tier is not None:
+                self.tiers.append(tier)
+        # The parts, each handed what it uses; listeners replace calls up a hierarchy.
+        self.purges = Purges(ctx, self.tiers)
+        self.admission = ReuseAdmission(ctx, self.tiers)
+        self.cascade = Cascade(ctx, self.admission, self.tiers)
+        self.promotion = Promotion(ctx, self.tiers)
+        self.prefetcher = Prefetch(ctx, self.promotion)  # listens to landed promotions
+        self.hints = Hints(ctx, self.prefetcher, self.tiers)
+        self.purges.on_purge.append(self.hints.forget)
+        self.index = ObjectIndex(ctx, self.tiers)
+        self.control = StoreControl(
+            ctx,
+            tiers=self.tiers,
+            purges=self.purges,
+            admission=self.admission,
+            cascade=self.cascade,
+            promotion=self.promotion,
+            hints=self.hints,
+            index=self.index,
+        )
+        if self.admission.estimate is not None:  # admission.store: reuse keeps a sketch: evict one-offs first
+            for tier in self.tiers:
+                tier.set_eviction_hints(reuse_of=self.admission.estimate)
         logger.info(
             "kvstrata node store up on node %s (pid %d, epoch %s, cpu capacity %d bytes, disk %s, object %s, peers %s)",
             node_id,
             os.getpid(),
-            self.arena.epoch,
+            arena.epoch,
             cpu.capacity,
-            self.config.tiers.disk.path if self.disk else "off",
-            redact_url(self.config.tiers.object.url) if self.object else "off",
-            "on" if self.peers else "off",
+            config.tiers.disk.path if self.disk else "off",
+            redact_url(config.tiers.object.url) if self.object else "off",
+            "on" if peers is not None else "off",
         )
 
-    def _open_disk(self) -> None:
-        disk = self.config.tiers.disk
-        if disk is None:
-            return
-        try:
-            self.disk = DiskTier(
-                disk.path,
-                disk.capacity,
-                direct_io=disk.direct_io,
-                eviction_policy=self.config.tiers.cpu.eviction_policy,
-                on_change=lambda namespace, keys, present: self._log(namespace).record_many(keys, STORAGE, present),
-                quotas=self.config.tier_quotas("disk"),
-                digests=self._executors("disk-digest", DIGEST_THREADS),
-            )
-        except Exception as exc:  # noqa: BLE001 - DiskTierError, or whatever a damaged directory raised
-            # The engine keeps serving from the arena; the operator sees why in the log and stats.
-            self.disk_error = str(exc) if isinstance(exc, DiskTierError) else f"{type(exc).__name__}: {exc}"
-            logger.error("kvstrata node store: disk tier disabled: %s", exc)
-            return
-        if self._reuse is not None:  # admission.store: reuse keeps a sketch: evict one-offs first
-            self.disk.reuse_of = self._reuse.estimate
-        for namespace in self.disk.namespaces():
-            self._log(namespace).record_many(self.disk.keys(namespace), STORAGE, True)
-        self._io = self._executors("disk", disk.io_threads)
+    # --- the calls engines, routers and other stores make (control.py, prefetch.py, hints.py)
+
+    def ping(self) -> str:
+        return self.control.ping()
+
+    def register(
+        self,
+        holder: str,
+        namespace: str,
+        slot_bytes: int,
+        layout: Mapping[str, object] | None = None,
+        watch: bool = False,
+        epoch: str = "",
+        nonce: str = "",
+    ) -> Registration:
+        return self.control.register(holder, namespace, slot_bytes, layout, watch, epoch, nonce)
+
+    def step(self, request: StepRequest) -> StepReply:
+        return self.control.step(request)
+
+    def release_holder(self, holder: str, epoch: str) -> None:
+        self.control.release_holder(holder, epoch)
+
+    def export_chunks(self, namespace: str, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[Any]]:
+        return self.control.export_chunks(namespace, keys)
+
+    def prefetch(
+        self, namespace: str, keys: Sequence[bytes], deadline_s: float = 0.0, lease_s: float | None = None
+    ) -> dict[str, int]:
+        return self.prefetcher.prefetch(namespace, keys, deadline_s, lease_s)
+
+    def prefetch_pending(self, namespace: str) -> int:
+        return self.prefetcher.prefetch_pending(namespace)
+
+    def prefetch_holds(self, namespace: str) -> dict[bytes, float]:
+        return self.prefetcher.prefetch_holds(namespace)
+
+    def retain(self, namespace: str, keys: Sequence[bytes], priority: int, ttl_s: float) -> dict[str, int]:
+        return self.hints.retain(namespace, keys, priority, ttl_s)
+
+    def pin_chunks(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]:
+        return self.hints.pin_chunks(namespace, keys)
+
+    def unpin_chunks(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return self.hints.unpin_chunks(namespace, keys)
+
+    def apply_hints(self, namespace: str, actions: Sequence[HintAction | Mapping[str, Any]]) -> list[dict[str, Any]]:
+        return self.hints.apply_hints(namespace, actions)
+
+    def retention_priority(self, namespace: str, key: bytes) -> int:
+        return self.hints.retention_priority(namespace, key)
+
+    # --- what tools, reports and tests read -----------------------------------------------
+
+    config = property(lambda self: self.ctx.config)
+    node_id = property(lambda self: self.ctx.node_id)
+    arena = property(lambda self: self.ctx.arena)
+    counters = property(lambda self: self.ctx.counters)
+    layouts = property(lambda self: self.ctx.layouts)
+    io_meter = property(lambda self: self.ctx.io_meter)
+    audit = property(lambda self: self.ctx.audit)
+    tier_estimates = property(lambda self: self.ctx.tier_estimates)
+    disk_error = property(lambda self: self.ctx.tier_errors.get("disk"))
+
+    def tier(self, name: str) -> LowerTier | None:
+        """The lower tier of that name, if this store has it."""
+        return next((tier for tier in self.tiers if tier.name == name), None)
+
+    @property
+    def disk(self) -> DiskTier | None:
+        tier = self.tier("disk")
+        return tier.tier if isinstance(tier, DiskLower) else None
+
+    @property
+    def object(self) -> ObjectTier | None:
+        tier = self.tier("object")
+        return tier.tier if isinstance(tier, ObjectLower) else None
+
+    @property
+    def peers(self) -> PeerLink | None:
+        tier = self.tier("peer")
+        return tier.link if isinstance(tier, PeerLower) else None
+
+    @peers.setter
+    def peers(self, link: PeerLink | None) -> None:
+        """Tests attach a peer link to a built store, and take it away (None: not closed)."""
+        if link is None:
+            for tier in [tier for tier in self.tiers if isinstance(tier, PeerLower)]:
+                self.tiers.remove(tier)
+                tier.io.shutdown(wait=True)
+        else:
+            self.attach_peers(link, self.ctx.executors("peer", 2))
+
+    def attach_peers(self, link: PeerLink, io: Executor) -> None:
+        """Add the peer tier (its link and pool) in promotion order: after this node's own
+        tiers, before the shared ones."""
+        with self.ctx.lock:
+            self.tiers[:] = [tier for tier in self.tiers if tier.name != "peer"]
+            where = next((i for i, tier in enumerate(self.tiers) if tier.shared), len(self.tiers))
+            self.tiers.insert(where, PeerLower(self.ctx, link, io))
+
+    # The simulation (kvstrata/sim) drives these seams of a built store.
+    _lock = property(lambda self: self.ctx.lock)
+    _holders = property(lambda self: self.control.holders)
+    _io = property(lambda self: self._pool_of("disk"))
+    _object_io = property(lambda self: self._pool_of("object"))
+
+    def _pool_of(self, name: str) -> Executor | None:
+        tier = self.tier(name)
+        return getattr(tier, "io", None)
+
+    def _expire(self) -> None:
+        self.control.expire()
 
     # --- tools and tests (never on an engine's hot path) --------------------------------
 
+    def serving(self) -> AbstractContextManager[None]:
+        """Around a call that may stall the store: its time is given back to leases (control.py)."""
+        return self.control.serving()
+
     def read(self, namespace: str, key: bytes) -> bytes | None:
         """Bytes of one chunk resident in the arena."""
-        with self._lock:
+        with self.ctx.lock:
             pool = self.arena.pools.get(namespace)
             slot = pool.lookup(key) if pool is not None else None
             return None if slot is None else pool.view(slot).tobytes()
 
     def locate(self, namespace: str, key: bytes) -> tuple[str, int, int] | None:
         """(segment path, offset, length) of a chunk resident in the arena."""
-        with self._lock:
+        with self.ctx.lock:
             pool = self.arena.pools.get(namespace)
             slot = pool.lookup(key) if pool is not None else None
             if slot is None:
@@ -204,7 +310,7 @@ class NodeStore(StoreControl):
     def keys(self, namespace: str, medium: str = CPU) -> list[bytes]:
         """Keys of a namespace held by one tier (`CPU` arena or `STORAGE` disk)."""
         check_namespace(namespace)
-        return self._log(namespace).present(medium)
+        return self.ctx.log(namespace).present(medium)
 
     def purge(self, namespace: str | None = None) -> int:
         """Drop the chunks of one namespace (or all) from every tier; pinned ones go when unpinned.
@@ -213,78 +319,49 @@ class NodeStore(StoreControl):
         ...) is a ValueError naming it, before anything is removed."""
         if namespace is not None:
             check_namespace(namespace)
-        with self._serving(), self._lock:
-            namespaces = list(self._logs) if namespace is None else [namespace]
-            removed = sum(self._purge(ns) for ns in namespaces)
+        with self.control.serving(), self.ctx.lock:
+            namespaces = list(self.ctx.logs) if namespace is None else [namespace]
+            removed = sum(self.purges.purge(ns) for ns in namespaces)
         logger.info("kvstrata node store: purged %d chunks (namespace %s)", removed, namespace or "all")
         return removed
 
     def stats(self) -> dict[str, object]:
-        with self._lock:
+        with self.ctx.lock:
             self.arena.reclaim_due_orphans()
-            disk_stats = self.disk.stats() if self.disk else None
-            disk = disk_stats or ({"error": self.disk_error} if self.disk_error else None)
+            disk = self.tier("disk")
+            disk_stats = disk.stats() if disk is not None else None
+            object_tier, peer = self.tier("object"), self.tier("peer")
             return {
-                "object": self.object.stats() if self.object else None,
-                "peers": self.peers.stats() if self.peers else None,
-                "uploads_pending": self._uploads_pending,
+                "object": object_tier.stats() if object_tier is not None else None,
+                "peers": peer.stats() if peer is not None else None,
+                "uploads_pending": self.cascade.pending("object"),
                 "node_id": self.node_id,
                 "pid": os.getpid(),
                 "layouts": self.layouts,
                 **self.arena.stats(),
-                "disk": disk,
-                "writes_pending": self._writes_pending,
+                "disk": disk_stats or ({"error": self.disk_error} if self.disk_error else None),
+                "writes_pending": self.cascade.pending("disk"),
                 "gc_frozen_objects": gc.get_freeze_count(),
                 **self.counters,
                 "audit": dict(self.audit.counters) if self.audit is not None else None,
+                "lower_tiers": [tier.name for tier in self.tiers],
                 "report": store_report(self, disk_stats),
             }
 
     def wait_io(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no disk write, promotion, upload, sweep or bucket purge is in flight (tests, tools, benchmarks)."""
-        with self._io_done:
-            return self._io_done.wait_for(
-                lambda: not (
-                    self._writes_pending or self._promoting or self._uploads_pending or self._scanning or self._purges_pending()
-                ),
+        """Wait until no copy, promotion, sweep or bucket purge is in flight (tests, tools, benchmarks)."""
+        with self.ctx.io_done:
+            return self.ctx.io_done.wait_for(
+                lambda: not (self.cascade.busy() or self.promotion.busy() or self.index.busy() or self.purges.busy()),
                 timeout_s,
             )
 
     def close(self) -> None:
         """Unlink the arena; disk records stay for the next store. For taking the store down on purpose."""
-        if self._metrics is not None:
-            self._metrics.close()
-        if self.peers is not None:
-            self.peers.close()
-            self._peer_io.shutdown(wait=True)
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-        if self._object_io is not None:
-            self._object_io.shutdown(wait=True)
-            self.object.close()
-        if self.disk is not None:
-            # Outside the lock: the reads still being verified finish their promotions
-            # (under the lock) before the disk tier's digest threads stop.
-            self.disk.close()
-        with self._lock:
+        for tier in self.tiers:
+            tier.shutdown()
+        for tier in self.tiers:
+            tier.close()
+        with self.ctx.lock:
             self.arena.close()
         logger.info("kvstrata node store on node %s closed", self.node_id)
-
-
-def freeze_startup_heap() -> None:
-    """Keep the objects that exist now (modules, Ray's and the store's own set-up) out of every
-    later garbage collection, as vLLM's engine core and Ray Serve's replicas do after start-up.
-
-    Why: with Ray imported, a full collection walks ~70,000 objects and holds the GIL for
-    ~50 ms; one fell inside a 2048-chunk commit, and every I/O thread waited on it. The
-    store's own later objects are still collected.
-    """
-    gc.collect()
-    gc.freeze()
-
-
-def _in_ray() -> bool:
-    """Whether this store runs in a Ray process (the actor), not in-process in a test."""
-    import ray
-
-    return ray.is_initialized()

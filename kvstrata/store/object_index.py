@@ -5,63 +5,91 @@ sweep (one listing of the whole URL) every `index_refresh_seconds` and whenever 
 namespace registers, so chunks other nodes stored become hits here; the sweep also
 deletes what `capacity` and `ttl_seconds` rule out.
 
-Owns: the sweep's state (`_scanning`, `_scanned_at`, `_scanned`, `_swept`) and whether a
+Every lower tier that lists what it holds (`ListedTier`: the bucket, object_lower.py) is
+swept so; the index loops over them and names none.
+
+Owns: each sweep's state (`_Sweep`: scanning, scanned at, scanned, swept) and whether a
 namespace counts as indexed.
-Invariants: one sweep at a time, on the object I/O pool; the sweep covers every
+Invariants: one sweep of a tier at a time, on the tier's pool; the sweep covers every
 namespace that has a change log when it starts, and records OBJECT presence only as
 changes against a snapshot taken before the listing (an upload that lands meanwhile is
 not "gone"), and only for namespaces neither purged since the snapshot nor being purged
-in the bucket when it was taken (purge.py). A failed listing still marks its namespaces swept.
+in the bucket when it was taken (object_lower.py). A failed listing still marks its namespaces swept.
 Must not: upload or download chunks (cascade.py, promotion.py).
 """
 
 from __future__ import annotations
 
-from kvstrata.store.purges import Purge
-from kvstrata.store.context import logger
-from kvstrata.tiers.changelog import OBJECT
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from kvstrata.store.context import StoreContext, logger
+from kvstrata.tiers.base import LowerTier
 
 
-class ObjectIndex(Purge):
-    """Mixin of `NodeStore`: the periodic sweep of the object store."""
+@runtime_checkable
+class ListedTier(Protocol):
+    """A lower tier whose holdings are learned by listing it (object_lower.py)."""
 
-    def _init_object_index(self) -> None:
-        self._scanned_at = float("-inf")  # when the last sweep of the object store started
-        self._scanned: set[str] = set()  # namespaces the last complete sweep covered
-        self._swept: set[str] = set()  # namespaces some sweep has finished with (listed or failed)
-        self._scanning = False
+    name: str
+    medium: str
+    refresh_seconds: float
 
-    def _refresh_object_index(self, namespace: str) -> None:
-        """Sweep the bucket now and then: learn what other nodes stored, keep capacity and TTL.
+    def listing(self) -> list[Any] | None: ...
 
-        A namespace no sweep has covered yet (a new engine) gets one at once.
+    def purging(self) -> set[str]: ...
+
+    def retry_purges(self) -> None: ...
+
+    def submit(self, job: Callable[..., Any], *args: Any) -> None: ...
+
+
+@dataclass
+class _Sweep:
+    tier: ListedTier
+    scanned_at: float = float("-inf")  # when the last sweep started
+    scanned: set[str] = field(default_factory=set)  # namespaces the last complete sweep covered
+    swept: set[str] = field(default_factory=set)  # namespaces some sweep has finished with (listed or failed)
+    scanning: bool = False
+
+
+class ObjectIndex:
+    """The periodic sweep of each listed lower tier."""
+
+    def __init__(self, ctx: StoreContext, tiers: Sequence[LowerTier]):
+        self._ctx = ctx
+        self._sweeps = [_Sweep(tier) for tier in tiers if isinstance(tier, ListedTier)]
+
+    def refresh(self, namespace: str) -> None:
+        """Sweep now and then: learn what other nodes stored, keep capacity and TTL.
+
+        A namespace no sweep has covered yet (a new engine) gets one at once (callers hold the lock).
         """
-        if self.object is None:
-            return
-        self._retry_bucket_purges()  # purge.py: those that waited for the tier to answer
-        if self._scanning:
-            return
-        now = self._clock()
-        if namespace in self._scanned and now - self._scanned_at < self.config.tiers.object.index_refresh_seconds:
-            return
-        self._log(namespace)  # the sweep covers every namespace with a log
-        self._scanning = True
-        self._scanned_at = now
-        self._object_io.submit(self._scan_job)
+        for sweep in self._sweeps:
+            sweep.tier.retry_purges()  # those that waited for the tier to answer
+            if sweep.scanning:
+                continue
+            now = self._ctx.clock()
+            if namespace in sweep.scanned and now - sweep.scanned_at < sweep.tier.refresh_seconds:
+                continue
+            self._ctx.log(namespace)  # the sweep covers every namespace with a log
+            sweep.scanning = True
+            sweep.scanned_at = now
+            sweep.tier.submit(self._scan_job, sweep)
 
-    def _scan_job(self) -> None:
-        with self._lock:
+    def _scan_job(self, sweep: _Sweep) -> None:
+        ctx, medium = self._ctx, sweep.tier.medium
+        with ctx.lock:
             # Snapshot before listing: an upload that lands meanwhile is not "gone".
-            before = {namespace: set(log.present(OBJECT)) for namespace, log in self._logs.items()}
+            before = {namespace: set(log.present(medium)) for namespace, log in ctx.logs.items()}
             # A listing may show what a purge is deleting: such namespaces learn nothing from it.
-            generations = {namespace: self._generation(namespace) for namespace in before}
-            purging = self._bucket_busy()
+            generations = {namespace: ctx.generations.current(namespace) for namespace in before}
+            purging = sweep.tier.purging()
         try:
-            entries = self.object.scan()
-            if entries is not None:
-                entries = self.object.apply_limits(entries)
+            entries = sweep.tier.listing()
         except Exception:  # noqa: BLE001
-            logger.exception("kvstrata node store: sweeping the object store failed")
+            logger.exception("kvstrata node store: sweeping the %s tier failed", sweep.tier.name)
             entries = None
         if entries is not None:
             listed: dict[str, set[bytes]] = {namespace: set() for namespace in before}
@@ -69,21 +97,25 @@ class ObjectIndex(Purge):
                 if entry.namespace in listed:
                     listed[entry.namespace].add(entry.key)
             for namespace, keys in listed.items():
-                log = self._log(namespace)
-                with self._lock:
-                    if namespace in purging or self._purged_since(namespace, generations[namespace]):
+                log = ctx.log(namespace)
+                with ctx.lock:
+                    if namespace in purging or ctx.generations.purged_since(namespace, generations[namespace]):
                         continue
-                    log.record_many(keys - before[namespace], OBJECT, True)
+                    log.record_many(keys - before[namespace], medium, True)
                     # Gone: swept, purged, a bucket lifecycle rule.
-                    log.record_many(before[namespace] - keys, OBJECT, False)
-        with self._lock:
+                    log.record_many(before[namespace] - keys, medium, False)
+        with ctx.lock:
             if entries is not None:
-                self._scanned = set(before)
+                sweep.scanned = set(before)
             # A failed listing counts too: waiting longer would not tell the engines more.
-            self._swept.update(before)
-            self._scanning = False
-            self._io_done.notify_all()
+            sweep.swept.update(before)
+            sweep.scanning = False
+            ctx.io_done.notify_all()
 
-    def _indexed(self, namespace: str) -> bool:
-        """Whether this store's view of the namespace covers the object store (callers hold the lock)."""
-        return self.object is None or namespace in self._swept
+    def indexed(self, namespace: str) -> bool:
+        """Whether this store's view of the namespace covers every listed tier (callers hold the lock)."""
+        return all(namespace in sweep.swept for sweep in self._sweeps)
+
+    def busy(self) -> bool:
+        """Whether a sweep is running (`wait_io`; callers hold the lock)."""
+        return any(sweep.scanning for sweep in self._sweeps)

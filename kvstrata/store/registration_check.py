@@ -38,17 +38,17 @@ from typing import TYPE_CHECKING
 from kvstrata.keys import namespace_of
 
 if TYPE_CHECKING:
-    from kvstrata.store.context import StoreState
+    from kvstrata.store.context import StoreContext
 
-# The store's logger (store_state.py), named here: the engine's manager imports this module
+# The store's logger (context.py), named here: the engine's manager imports this module
 # for `public_epoch` and must not import the store's parts.
-logger = logging.getLogger("kvstrata.store.node_store")
+logger = logging.getLogger("kvstrata.actors.node_store")
 
 # vLLM's prefix-cache hashes that are not collision resistant (vllm/v1/core/kv_cache_utils.py).
 NON_CRYPTOGRAPHIC_HASHES = frozenset({"xxhash", "xxhash_cbor"})
 
 
-def check_registration(store: StoreState, namespace: str, layout: Mapping[str, object] | None) -> None:
+def check_registration(store: StoreContext, namespace: str, layout: Mapping[str, object] | None) -> None:
     """Refuse a registration whose layout does not belong to `namespace` (ValueError naming
     the namespace and the value at fault), before the store changes anything; callers hold
     the store lock. A registration without a layout claims nothing and passes. Logs one line

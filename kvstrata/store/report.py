@@ -25,12 +25,15 @@ Must not: change the store (it only reads, under the store lock) or import a par
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvstrata.store.io_meter import DIRECTIONS
-from kvstrata.store.context import PROMOTION_SOURCES, StoreState
+from kvstrata.store.context import PROMOTION_SOURCES
 from kvstrata.tiers.changelog import OBJECT
 from kvstrata.tiers.estimates import peer_node
+
+if TYPE_CHECKING:
+    from kvstrata.store.node_store import NodeStore
 
 
 class TierReport(TypedDict, total=False):
@@ -53,7 +56,7 @@ class TierReport(TypedDict, total=False):
     write_bytes_per_second: float
 
 
-def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, Any]:
+def store_report(store: NodeStore, disk_stats: dict[str, Any] | None) -> dict[str, Any]:
     """The report of one store (call it under the store's lock); `disk_stats`: the disk
     tier's `stats()` as the caller already took them (None without a disk tier)."""
     counters = store.counters
@@ -97,7 +100,7 @@ def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[s
     }
 
 
-def _admission(store: StoreState) -> dict[str, Any]:
+def _admission(store: NodeStore) -> dict[str, Any]:
     """Cost-based admission (docs/admission.md): copies skipped as unlikely to be reused,
     per tier; what each lower tier delivered lately (`estimates`: disk, object, peer, the
     figures engines weigh loads by); and what each other node delivered lately
@@ -126,7 +129,7 @@ def _admission(store: StoreState) -> dict[str, Any]:
     }
 
 
-def _disk_report(store: StoreState, stats: dict[str, Any] | None) -> TierReport:
+def _disk_report(store: NodeStore, stats: dict[str, Any] | None) -> TierReport:
     if stats is None:
         if store.disk_error:
             return {"state": "error", "reason": store.disk_error}
@@ -149,13 +152,13 @@ def _disk_report(store: StoreState, stats: dict[str, Any] | None) -> TierReport:
     }
 
 
-def _object_report(store: StoreState) -> TierReport:
+def _object_report(store: NodeStore) -> TierReport:
     if store.object is None:
         return {"state": "off"}
     stats = store.object.stats()
     counters = store.counters
     chunks = used = 0
-    for namespace, log in store._logs.items():
+    for namespace, log in store.ctx.logs.items():
         count = log.count(OBJECT)
         chunks += count
         pool = store.arena.pools.get(namespace)
@@ -177,7 +180,7 @@ def _object_report(store: StoreState) -> TierReport:
     return report
 
 
-def _peer_report(store: StoreState) -> TierReport:
+def _peer_report(store: NodeStore) -> TierReport:
     if store.peers is None:
         return {"state": "off"}
     stats = {"directory_reachable": True, "peer_chunks": 0, "fetch_failures": 0, "sync_failures": 0,
@@ -200,7 +203,7 @@ def _peer_report(store: StoreState) -> TierReport:
     return report
 
 
-def _io(store: StoreState, tier: str) -> TierReport:
+def _io(store: NodeStore, tier: str) -> TierReport:
     report: TierReport = {}
     for direction in DIRECTIONS:
         totals = store.io_meter.totals(tier, direction)
@@ -210,11 +213,11 @@ def _io(store: StoreState, tier: str) -> TierReport:
     return report
 
 
-def _namespaces(store: StoreState, disk_resident: dict[str, int]) -> dict[str, dict[str, Any]]:
+def _namespaces(store: NodeStore, disk_resident: dict[str, int]) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for namespace in sorted(set(store.layouts) | set(store.arena.pools) | set(disk_resident)):
         pool = store.arena.pools.get(namespace)
-        log = store._logs.get(namespace)
+        log = store.ctx.logs.get(namespace)
         found[namespace] = {
             "models": list(store.layouts.get(namespace, {}).get("models", [])),
             "chunks": {
@@ -226,7 +229,7 @@ def _namespaces(store: StoreState, disk_resident: dict[str, int]) -> dict[str, d
     return found
 
 
-def _tenants(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, dict[str, dict[str, int | None]]]:
+def _tenants(store: NodeStore, disk_stats: dict[str, Any] | None) -> dict[str, dict[str, dict[str, int | None]]]:
     """Per tenant (`namespace_prefix`) and tier: `used`, the bytes counted against its quota
     (arena: its pools' segments; disk: its slabs' records; object: its objects as of the
     last sweep plus this node's uploads since), and `quota` (None: none in that tier)."""
@@ -242,7 +245,7 @@ def _tenants(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, 
     return dict(sorted(tenants.items()))
 
 
-def _engines(store: StoreState) -> dict[str, dict[str, Any]]:
+def _engines(store: NodeStore) -> dict[str, dict[str, Any]]:
     """Engines with a live lease: seconds left on it, chunks they pin, slots they reserved,
     and the prefill rate `admission.load` weighs loads against (None: not known yet)."""
     engines: dict[str, dict[str, Any]] = {}
@@ -256,7 +259,7 @@ def _engines(store: StoreState) -> dict[str, dict[str, Any]]:
             "lease_seconds_left": round(seconds_left, 1),
             "pinned": pinned,
             "reserved": reserved,
-            "recompute_tokens_per_second": store._recompute_rates.get(holder),
+            "recompute_tokens_per_second": store.ctx.recompute_rates.get(holder),
         }
     return engines
 
