@@ -77,6 +77,11 @@ def get_node_store(node_id: str | None = None) -> Any:
         raise StoreUnavailable(f"no kvstrata node store on node {node_id}; run `kvstrata up`") from None
 
 
+def store_client(node_id: str | None = None, timeout_s: float = 30.0) -> RayStoreClient:
+    """A client of a node's existing store (this node's by default); StoreUnavailable if none."""
+    return RayStoreClient(get_node_store(node_id), timeout_s)
+
+
 def named_actors(prefix: str) -> dict[str, Any]:
     """Live kvstrata actors whose name starts with `prefix`, by the rest of their name
     (node ids for stores, shard numbers for the directory)."""
@@ -124,7 +129,8 @@ class RayStoreClient:
         except ray.exceptions.GetTimeoutError:
             raise StoreUnavailable(f"node store did not answer {method} within {self.timeout_s}s") from None
         except ray.exceptions.RayActorError as exc:
-            raise StoreUnavailable(f"node store is down ({type(exc).__name__})") from None
+            cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""  # e.g. what its constructor raised
+            raise StoreUnavailable(f"node store is down ({type(exc).__name__}{': ' + cause if cause else ''})") from None
 
     def register(
         self,
