@@ -5,7 +5,7 @@ Why: vLLM loads a request's offloaded KV only once the request is scheduled; a r
 queued behind a full batch starts nothing, and its first lookup of a chunk on disk or in
 the bucket answers RETRY while the chunk is promoted. The router knows, at routing time,
 where the request goes and which of its chunks that node covers: it asks that node's store
-(`NodeStore.prefetch`, actors/prefetch.py) to move the covered chunks that are not in the
+(`NodeStore.prefetch`, store/prefetch.py) to move the covered chunks that are not in the
 arena and hold them for the request's first lookup, which is then a HIT.
 
 What is asked: per namespace of the chosen node, the prompt's chunk keys up to what the
