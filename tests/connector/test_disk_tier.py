@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstrata.actors import disk_jobs
+from kvstrata.store import disk_jobs
 from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
