@@ -29,8 +29,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.node_store import NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.keys import make_key
 
 SLOT = 4096

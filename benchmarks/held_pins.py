@@ -34,7 +34,7 @@ def key(i: int) -> bytes:
 
 def step_times(pins: int, steps: int, shm_dir: str) -> list[float]:
     """Seconds inside each of `steps` calls of `on_schedule_end` with `pins` pins held."""
-    from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+    from kvstrata.store.node_store import LocalStoreClient, NodeStore
     from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
     from kvstrata.connector.manager import StrataManager
     from kvstrata.keys import Layout

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstrata.actors.client import get_node_store
 from kvstrata.actors.cluster import down, up
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.keys import make_key
 from kvstrata.testing import ChunkProbe

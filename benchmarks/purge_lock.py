@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 from kvstrata.keys import make_key
 
 SLOT = 4096

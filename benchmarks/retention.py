@@ -21,8 +21,8 @@ import hashlib
 import tempfile
 from typing import Any
 
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.node_store import NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.keys import make_key
 

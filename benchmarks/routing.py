@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 
 CHUNK_TOKENS = 256
 HIDDEN, LAYERS, KV_HEADS = 1024, 4, 2

@@ -57,7 +57,8 @@ from pathlib import Path
 import numpy as np
 from plotting import Line, Panel, Results, add_out_argument, run_title, write_results
 
-from kvstrata.actors.node_store import NodeStore, freeze_startup_heap
+from kvstrata.actors.node_actor import freeze_startup_heap
+from kvstrata.store.node_store import NodeStore
 from kvstrata.bench.measure import RawFileIO, cascade, chunk_key, huge_page_probe, promote, reference_memory, rotated, split, timed
 from kvstrata.tiers.disk import DIGEST_THREADS, record_disk_bytes
 from kvstrata.tiers.records import chunk_digest

@@ -370,7 +370,7 @@ class ChunkProbe:
         self._segments: dict[int, Any] = {}
 
     def _step(self, **fields: Any) -> Any:
-        from kvstrata.actors.protocol import StepRequest
+        from kvstrata.protocol import StepRequest
 
         request = StepRequest(self.holder, self.namespace, epoch=self.epoch, **fields)
         return self._ray.get(self.store.step.remote(request), timeout=60)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from kvstrata.actors.hints import MAX_HINT_KEYS
+from kvstrata.protocol import MAX_HINT_KEYS, StoreClient
 from kvstrata.routing.figures import node_figures
 from kvstrata.routing.keys import chunks_of_prompt
 from kvstrata.routing.prompt import Tokenizers, render_token_ids
@@ -75,12 +75,10 @@ def warm(
 
     The calling process must be in the Ray cluster (`kvstrata.actors.client.join_cluster`).
     `wait_s`: wait this long at most for the moves to land (0: return at once)."""
-    import ray
+    from kvstrata.actors.client import store_client
 
-    from kvstrata.actors.client import get_node_store
-
-    store = get_node_store(node_id)
-    stats = ray.get(store.stats.remote(), timeout=CALL_TIMEOUT_SECONDS)
+    store = store_client(node_id, CALL_TIMEOUT_SECONDS)
+    stats = store.stats()
     figures = node_figures(stats["node_id"], stats)
     namespaces = figures.namespaces(model)
     if not namespaces:
@@ -98,21 +96,21 @@ def warm(
         keys = keys[:MAX_HINT_KEYS]
         report: dict[str, Any] = {"namespace": namespace, "tokens": len(token_ids), "chunks": len(keys)}
         if pin:
-            report["pin"] = ray.get(store.pin_chunks.remote(namespace, keys), timeout=CALL_TIMEOUT_SECONDS)
+            report["pin"] = store.pin_chunks(namespace, keys)
         else:
-            report["prefetch"] = ray.get(store.prefetch.remote(namespace, keys, 0.0, lease_s), timeout=CALL_TIMEOUT_SECONDS)
+            report["prefetch"] = store.prefetch(namespace, keys, 0.0, lease_s)
         if ttl_s:
-            report["retain"] = ray.get(store.retain.remote(namespace, keys, priority, ttl_s), timeout=CALL_TIMEOUT_SECONDS)
+            report["retain"] = store.retain(namespace, keys, priority, ttl_s)
         report["keys"] = keys
         reports.append(report)
     _wait_landed(store, [report["namespace"] for report in reports], wait_s)
     for report in reports:
-        held = ray.get(store.prefetch_holds.remote(report["namespace"]), timeout=CALL_TIMEOUT_SECONDS)
+        held = store.prefetch_holds(report["namespace"])
         report["held"] = sum(1 for key in report.pop("keys") if key in held)
     return reports
 
 
-def _wait_landed(store: Any, namespaces: list[str], wait_s: float, poll_s: float = 0.05) -> None:
+def _wait_landed(store: StoreClient, namespaces: list[str], wait_s: float, poll_s: float = 0.05) -> None:
     """Wait until no chunk of `namespaces` is on its way for a prefetch, `wait_s` at most.
 
     Polled: the store is one actor thread, and a call that blocked it would keep the
@@ -120,11 +118,9 @@ def _wait_landed(store: Any, namespaces: list[str], wait_s: float, poll_s: float
     import threading
     import time
 
-    import ray
-
     deadline = time.monotonic() + wait_s
     pending = list(namespaces)
     while pending and time.monotonic() < deadline:
-        pending = [ns for ns in pending if ray.get(store.prefetch_pending.remote(ns), timeout=CALL_TIMEOUT_SECONDS)]
+        pending = [ns for ns in pending if store.prefetch_pending(ns)]
         if pending:
             threading.Event().wait(poll_s)  # a poll period, bounded by the deadline

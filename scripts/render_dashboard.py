@@ -135,7 +135,7 @@ def record(seconds: float, csv_path: Path, workdir: Path, shm_dir: str) -> None:
     from kvstrata.actors.client import ensure_node_store, get_node_store
     from kvstrata.actors.cluster import down
     from kvstrata.actors.directory import directory_shard
-    from kvstrata.actors.protocol import StepRequest
+    from kvstrata.protocol import StepRequest
     from kvstrata.config import load_config
     from kvstrata.testing import ChunkProbe
     from kvstrata.tiers.records import HEADER_BYTES

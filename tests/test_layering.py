@@ -1,6 +1,7 @@
 """The package's layering, read from the source: imports run one way and never in a circle.
 
-tiers (storage engines) <- actors (Ray glue) <- connector (the vLLM adapter) <- routing
+tiers (storage engines) <- store (the node store, plain Python) <- actors (Ray glue) <-
+connector (the vLLM adapter) <- routing
 (the Ray Serve request router: it reads the directory and names chunks with vLLM's
 hashing, through the compat module like every other vLLM use). Every
 import counts, also one inside a function: a lazy import that runs upward still ties
@@ -20,7 +21,9 @@ MAX_MODULE_LINES = 600
 
 # layer -> what it must never import (kvstrata layers and third-party roots)
 FORBIDDEN = {
-    "kvstrata.tiers": ("kvstrata.actors", "kvstrata.connector", "kvstrata.routing", "ray", "vllm"),
+    "kvstrata.tiers": ("kvstrata.store", "kvstrata.actors", "kvstrata.connector", "kvstrata.routing", "ray", "vllm"),
+    "kvstrata.store": ("kvstrata.actors", "kvstrata.connector", "kvstrata.routing", "ray", "vllm"),
+    "kvstrata.protocol": ("kvstrata.store", "kvstrata.actors", "kvstrata.connector", "kvstrata.routing", "ray", "vllm"),
     "kvstrata.actors": ("kvstrata.connector", "kvstrata.routing", "vllm"),
     "kvstrata.connector": ("kvstrata.routing",),
     "kvstrata.keys": ("kvstrata.tiers", "kvstrata.actors", "kvstrata.connector", "kvstrata.routing", "ray", "vllm"),
@@ -127,5 +130,70 @@ def test_the_checks_see_what_they_claim(graph):
     """The walk finds lazy imports and relative ones; a checker that sees nothing passes vacuously."""
     assert "kvstrata.actors.client" in graph["kvstrata.connector.spec"]  # imported inside get_manager
     assert "vllm" in graph[VLLM_GATEWAY]
-    assert any(within(imported, "kvstrata.tiers") for imported in graph["kvstrata.actors.node_store"])
+    assert any(within(imported, "kvstrata.tiers") for imported in graph["kvstrata.store.node_store"])
     assert "kvstrata.connector.compat" in graph["kvstrata.routing.keys"]  # vLLM's hashing, imported lazily
+
+
+# --- the node store from parts (issue 46) ----------------------------------------------------
+
+STORE = PACKAGE / "store"
+
+
+def store_classes() -> dict[str, tuple[Path, ast.ClassDef]]:
+    found = {}
+    for path in STORE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                found[node.name] = (path, node)
+    return found
+
+
+def test_no_store_class_inherits_from_another_store_class():
+    classes = store_classes()
+    wrong = [
+        f"{path.name}: {name}({ast.unparse(base)})"
+        for name, (path, node) in classes.items()
+        for base in node.bases
+        if ast.unparse(base).rpartition(".")[2] in classes
+    ]
+    assert not wrong, "\n".join(wrong)
+    assert "StoreState" not in classes and "StoreControl" in classes
+
+
+def own_private_names(node: ast.ClassDef) -> set[str]:
+    """The private methods and attributes a class defines or assigns on `self`."""
+    names = {item.name for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+            names.add(sub.attr)
+        elif isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name):
+            names.add(sub.target.id)
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_no_store_part_calls_a_private_method_it_does_not_own_through_self():
+    """A part reaches another only through its public methods: `self._x(...)` names a method
+    of the part's own class, and `self._part._x(...)` (another part's private) never appears."""
+    wrong = []
+    for name, (path, node) in store_classes().items():
+        own = own_private_names(node)
+        for sub in ast.walk(node):
+            if not (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)):
+                continue
+            target, method = sub.func.value, sub.func.attr
+            if not method.startswith("_") or method.startswith("__"):
+                continue
+            if isinstance(target, ast.Name) and target.id == "self" and method not in own:
+                wrong.append(f"{path.name}:{sub.lineno} {name} calls self.{method}() it does not define")
+            elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                wrong.append(f"{path.name}:{sub.lineno} {name} calls self.{target.attr}.{method}(), another part's private")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_private_call_check_sees_a_call_into_another_part(tmp_path):
+    """The check above is not vacuous: the old mixins' call shape is caught."""
+    tree = ast.parse("class Prefetch:\n    def f(self):\n        self._promote(1)\n        self._promotion._finish(2)\n")
+    node = tree.body[0]
+    calls = [sub.func for sub in ast.walk(node) if isinstance(sub, ast.Call)]
+    assert {call.attr for call in calls} == {"_promote", "_finish"}
+    assert "_promote" not in own_private_names(node)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.node_store import NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.cli import main
 from kvstrata.config import ConfigError, ObjectTierConfig, load_config
 from kvstrata.namespaces import check_holder, check_namespace, check_tenant, holder_name

@@ -16,9 +16,9 @@ import ray
 from rich.console import Console
 
 from kvstrata.actors.directory import holder_label
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 from kvstrata.actors.peers import PeerSync
-from kvstrata.actors.promotion import PROMOTE
+from kvstrata.store.promotion import PROMOTE
 from kvstrata.actors.store_metrics import metric_samples
 from kvstrata.cli.status_view import render_store
 from kvstrata.config import ClusterConfig, load_config
@@ -70,7 +70,7 @@ def cluster(tmp_path, monkeypatch):
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref.value)
     # The store's clock (estimates' ages) stands still: ages are 0 unless a test moves it.
     store = NodeStore(load_config(store_config(tmp_path, capacity=64 * SLOT)), "node-here", clock=FakeClock())
-    store.peers = PeerSync("node-here", ClusterConfig(directory_shards=1), lambda: dict(store._logs), lambda s: None, timer)
+    store.peers = PeerSync("node-here", ClusterConfig(directory_shards=1), lambda: dict(store.ctx.logs), lambda s: None, timer)
     store.register("engine", NS, SLOT)
     data = {key(i): np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8) for i in range(40)}
     peers = {node: FakePeer(node, data, timer) for node in LINKS}
@@ -83,7 +83,7 @@ def cluster(tmp_path, monkeypatch):
 def hold(store, node: str, keys) -> None:
     """The directory's word that `node` holds `keys` in RAM."""
     changes = [(k, holder_label(node, CPU), True) for k in keys]
-    store.peers._apply(0, "directory-epoch", {NS: (len(changes), changes, False)}, dict(store._logs))
+    store.peers._apply(0, "directory-epoch", {NS: (len(changes), changes, False)}, dict(store.ctx.logs))
 
 
 def fetch(store, data, keys) -> None:
@@ -93,7 +93,7 @@ def fetch(store, data, keys) -> None:
     assert len(slots) == len(keys)
     try:
         items = list(zip(keys, slots))
-        assert store.peers.fetch(NS, pool, items, store._log(NS), store.tier_estimates, 30.0) == [True] * len(keys)
+        assert store.peers.fetch(NS, pool, items, store.ctx.log(NS), store.tier_estimates, 30.0) == [True] * len(keys)
         assert all(np.array_equal(pool.view(slot), data[k]) for k, slot in items)
     finally:
         pool.release(PROMOTE, slots)
@@ -142,9 +142,11 @@ def test_engines_get_the_aggregate_only_and_status_lists_each_peer(cluster):
     pool = store.arena.pools[NS]
     for batch in (list(data)[30:33], list(data)[33:38]):  # two promotions: the aggregate `peer`
         hold(store, "b-fast", batch)
-        store._peer_promote_job(NS, pool, list(zip(batch, pool.reserve(PROMOTE, len(batch)))), store._generation(NS))
+        with store.ctx.lock:
+            assert store.promotion.promote(NS, pool, batch) == dict.fromkeys(batch, True)
+        assert store.wait_io(10)
     assert store.counters["peer_promotions"] == 8
-    payload = store._tier_costs()  # what rides on every step reply
+    payload = store.admission.tier_costs()  # what rides on every step reply
     assert set(payload) == {"peer"}
     peer = store.tier_estimates.costs()["peer"]
     assert payload["peer"] == (peer.latency_seconds, peer.bytes_per_second, peer.age_seconds)

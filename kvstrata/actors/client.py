@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.actors.node_actor import NodeStoreActor
 from kvstrata.actors.options import STORE_NAMESPACE, node_store_options, store_actor_name
-from kvstrata.actors.protocol import Registration, StepReply, StepRequest
 from kvstrata.actors.secrets import stash_secrets
+from kvstrata.protocol import HintAction, Registration, StepReply, StepRequest
 from kvstrata.config import KvstrataConfig
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def ensure_node_store(config: KvstrataConfig, node_id: str | None = None) -> Any
     import ray
 
     node_id = node_id or current_node_id()
-    actor_cls = ray.remote(NodeStore)
+    actor_cls = ray.remote(NodeStoreActor)
     options = node_store_options(node_id, config.ray.store_num_cpus)
     return actor_cls.options(**options).remote(stash_secrets(config), node_id)  # credentials: not as arguments
 
@@ -75,6 +75,11 @@ def get_node_store(node_id: str | None = None) -> Any:
         return ray.get_actor(store_actor_name(node_id), namespace=STORE_NAMESPACE)
     except ValueError:
         raise StoreUnavailable(f"no kvstrata node store on node {node_id}; run `kvstrata up`") from None
+
+
+def store_client(node_id: str | None = None, timeout_s: float = 30.0) -> RayStoreClient:
+    """A client of a node's existing store (this node's by default); StoreUnavailable if none."""
+    return RayStoreClient(get_node_store(node_id), timeout_s)
 
 
 def named_actors(prefix: str) -> dict[str, Any]:
@@ -104,10 +109,12 @@ def shutdown_node_store(handle: Any, timeout_s: float = 30.0) -> None:
 
 
 class RayStoreClient:
-    """Blocking calls to a store actor, each bounded by a timeout.
+    """Calls to a store actor, each bounded by a timeout (`kvstrata.protocol.StoreClient`):
+    the only code that calls a store handle.
 
-    Used only off the scheduling path: by the manager's control thread and at worker
-    start-up.
+    Blocking ones are used only off the scheduling path: by the manager's control thread,
+    at worker start-up, by `kvstrata warm` and the CLI. `apply_hints` and `send_prefetch`
+    are not waited for; `stats_async` is awaited by routers.
     """
 
     def __init__(self, handle: Any, timeout_s: float):
@@ -122,7 +129,8 @@ class RayStoreClient:
         except ray.exceptions.GetTimeoutError:
             raise StoreUnavailable(f"node store did not answer {method} within {self.timeout_s}s") from None
         except ray.exceptions.RayActorError as exc:
-            raise StoreUnavailable(f"node store is down ({type(exc).__name__})") from None
+            cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""  # e.g. what its constructor raised
+            raise StoreUnavailable(f"node store is down ({type(exc).__name__}{': ' + cause if cause else ''})") from None
 
     def register(
         self,
@@ -142,7 +150,43 @@ class RayStoreClient:
     def release_holder(self, holder: str, epoch: str) -> None:
         self._call("release_holder", holder, epoch)
 
-    def apply_hints(self, namespace: str, actions: list[dict[str, Any]]) -> None:
-        """KV hints (actors/hints.py), sent without waiting: the store answers each with
+    def apply_hints(self, namespace: str, actions: Sequence[HintAction]) -> None:
+        """KV hints (store/hints.py), sent without waiting: the store answers each with
         an outcome and counts refusals; a hint must never hold the scheduler."""
-        self.handle.apply_hints.remote(namespace, actions)
+        self.handle.apply_hints.remote(namespace, list(actions))
+
+    def prefetch(
+        self, namespace: str, keys: Sequence[bytes], deadline_s: float = 0.0, lease_s: float | None = None
+    ) -> dict[str, int]:
+        return self._call("prefetch", namespace, list(keys), deadline_s, lease_s)
+
+    def send_prefetch(
+        self, namespace: str, keys: Sequence[bytes], deadline_s: float = 0.0, lease_s: float | None = None
+    ) -> None:
+        self.handle.prefetch.remote(namespace, list(keys), deadline_s, lease_s)  # not waited for
+
+    def pin_chunks(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]:
+        return self._call("pin_chunks", namespace, list(keys))
+
+    def retain(self, namespace: str, keys: Sequence[bytes], priority: int, ttl_s: float) -> dict[str, int]:
+        return self._call("retain", namespace, list(keys), priority, ttl_s)
+
+    def prefetch_holds(self, namespace: str) -> dict[bytes, float]:
+        return self._call("prefetch_holds", namespace)
+
+    def prefetch_pending(self, namespace: str) -> int:
+        return self._call("prefetch_pending", namespace)
+
+    def stats(self) -> dict[str, object]:
+        return self._call("stats")
+
+    def stats_async(self) -> Awaitable[dict[str, object]]:
+        """An awaitable of the store's stats (a Ray object ref); the caller bounds its wait."""
+        return self.handle.stats.remote()
+
+    def purge(self, namespace: str | None = None) -> int:
+        return self._call("purge", namespace)
+
+    def close(self) -> None:
+        """Take the store down on purpose (`kvstrata down`): its arena is unlinked."""
+        self._call("close")

@@ -20,11 +20,6 @@ def store_actor_name(node_id: str) -> str:
     return f"{STORE_NAME_PREFIX}{node_id}"
 
 
-def node_tag(node_id: str) -> str:
-    """Short node tag used in shared-memory file names (simulated nodes share /dev/shm)."""
-    return node_id[:12]
-
-
 def service_actor_options(name: str, **extra: Any) -> dict[str, Any]:
     """Options every kvstrata actor shares: named in the kvstrata namespace, outliving the
     job that created it, found instead of duplicated, restarted by Ray when it dies."""

@@ -4,7 +4,7 @@ Ray serves every `ray.util.metrics` metric on each node's metrics export port ne
 own, with the prefix `ray_` (a Counter named `kvstrata_x` is scraped as
 `ray_kvstrata_x_total`), so the scrape config a Ray user already has picks these up. The
 store does not count into Ray on its hot paths: an exporter thread turns the store's
-report (store_report.py) into samples every `EXPORT_SECONDS`, sets the gauges and adds
+report (kvstrata/store/report.py) into samples every `EXPORT_SECONDS`, sets the gauges and adds
 each counter's growth since the last export.
 
 Names do not collide with the engines' metrics: under Ray Serve LLM vLLM exports its

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.protocol import StepRequest
 from kvstrata.keys import make_key
 from kvstrata.tiers.shm import SharedMemoryFile
 
 if TYPE_CHECKING:
-    from kvstrata.actors.node_store import NodeStore
+    from kvstrata.store.node_store import NodeStore
 
 HOLDER = "bench"  # the engine a benchmark stands in for
 IO_WAIT_S = 600.0  # bound on one measurement's I/O

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 from kvstrata.bench.measure import (
     HOLDER,
     BenchError,

@@ -32,6 +32,7 @@ from rich.console import Console
 from kvstrata.bench import add_bench_arguments
 from kvstrata.config import ConfigError, KvstrataConfig, load_config
 
+PURGE_TIMEOUT_SECONDS = 600.0  # a purge returns once the arena and disk forgot; the bucket empties after
 STATUS_TIMEOUT_SECONDS = 10.0
 PIPED_WIDTH = 200
 
@@ -145,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _up(config: KvstrataConfig, console: Console, allow_degraded: bool) -> int:
-    import ray
-
-    from kvstrata.actors.client import ensure_node_store, named_actors
+    from kvstrata.actors.client import RayStoreClient, ensure_node_store, named_actors
     from kvstrata.actors.options import STORE_NAME_PREFIX
 
     if config.cluster is not None:
@@ -163,7 +162,7 @@ def _up(config: KvstrataConfig, console: Console, allow_degraded: bool) -> int:
     not_started = 0  # no store at all: --allow-degraded does not accept that
     for node, store in sorted(stores.items()):
         try:
-            stats = ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS)
+            stats = RayStoreClient(store, STATUS_TIMEOUT_SECONDS).stats()
         except Exception as exc:  # noqa: BLE001 - e.g. its constructor raised: say so, exit 1
             cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             console.print(f"  [bold red]FAILED[/] node store on {node} did not start: {cause}", highlight=False)
@@ -247,7 +246,7 @@ def _gather(node: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     this node's) and of the directory shards."""
     import ray
 
-    from kvstrata.actors.client import get_node_store, named_actors
+    from kvstrata.actors.client import RayStoreClient, get_node_store, named_actors
     from kvstrata.actors.directory import DIRECTORY_NAME_PREFIX
     from kvstrata.actors.options import STORE_NAME_PREFIX
 
@@ -258,7 +257,7 @@ def _gather(node: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]
         stores = named_actors(STORE_NAME_PREFIX)
     else:
         stores = {"this node": get_node_store()}
-    stats = [ray.get(store.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS) for _, store in sorted(stores.items())]
+    stats = [RayStoreClient(store, STATUS_TIMEOUT_SECONDS).stats() for _, store in sorted(stores.items())]
     directory = [ray.get(shard.stats.remote(), timeout=STATUS_TIMEOUT_SECONDS) for shard in shards.values()]
     return stats, directory
 
@@ -304,12 +303,10 @@ def _bench(config: KvstrataConfig, console: Console, args: argparse.Namespace) -
 
 
 def _purge_or_down(config: KvstrataConfig, console: Console, args: argparse.Namespace) -> int:
-    import ray
-
-    from kvstrata.actors.client import get_node_store, shutdown_node_store
+    from kvstrata.actors.client import get_node_store, shutdown_node_store, store_client
 
     if args.command == "purge":
-        console.print(f"purged {ray.get(get_node_store().purge.remote(args.namespace))} chunks")
+        console.print(f"purged {store_client(timeout_s=PURGE_TIMEOUT_SECONDS).purge(args.namespace)} chunks")
     elif config.cluster is not None:
         from kvstrata.actors.cluster import down
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvstrata.actors.protocol import StepReply, StepRequest
+from kvstrata.protocol import StepReply, StepRequest
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ Actions (`action_version` 1.x; payloads are JSON):
 
 A malformed action, or one this vLLM cannot serve, is dropped with one log line and the
 `hints_dropped` counter; a hint never fails or delays its request. The store is the
-trust boundary: it checks every action again (actors/hints.py).
+trust boundary: it checks every action again (store/hints.py).
 
 Invariants: `on_new_request` costs a request without hints two attribute reads; sending is
 Ray's asynchronous call (no wait on the scheduler thread); a request's pending actions
@@ -36,13 +36,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata import protocol
 from kvstrata.connector.compat import ReqContext, key_positions, prefix_block_hashes
 from kvstrata.keys import Layout, chunk_keys
 from kvstrata.tiers.retention import parse_ttl as retention_ttl
 
 logger = logging.getLogger(__name__)
 
-PREFETCH, RETAIN, PIN, UNPIN = "kv.prefetch", "kv.retain", "pin", "unpin"
+# kvstrata's action names are the contract's (kvstrata/protocol.py); the keys below are
+# the spellings a request may use for them.
+PREFETCH, RETAIN, PIN, UNPIN = protocol.PREFETCH_ACTION, protocol.RETAIN_ACTION, protocol.PIN_ACTION, protocol.UNPIN_ACTION
 ACTION_TYPES = {
     "kv.prefetch": PREFETCH, "kv.fetch": PREFETCH, "kv.retain": RETAIN,
     "pin": PIN, "kv.pin": PIN, "unpin": UNPIN, "kv.unpin": UNPIN,
@@ -191,7 +194,7 @@ class HintIntake:
     keys (`apply_hints`, an asynchronous call), at arrival or, for the request's own
     chunks, when it finishes."""
 
-    def __init__(self, send: Callable[[str, list[dict[str, Any]]], None] | None, layout: Layout, counters: dict[str, int]):
+    def __init__(self, send: Callable[[str, list[protocol.HintAction]], None] | None, layout: Layout, counters: dict[str, int]):
         self._send = send
         self._layout = layout
         self._counters = counters
@@ -202,7 +205,7 @@ class HintIntake:
         found = envelopes(req_context)
         if not found:
             return
-        now: list[dict[str, Any]] = []
+        now: list[protocol.HintAction] = []
         for envelope in found:
             actions, errors = parse_envelope(envelope)
             for error in errors:
@@ -224,7 +227,7 @@ class HintIntake:
         if not actions:
             return
         positions = key_positions(req_context)
-        out: list[dict[str, Any]] = []
+        out: list[protocol.HintAction] = []
         for action in actions:
             if positions is None:
                 self._drop(req_context.req_id, f"{action.action} of this request's tokens needs vLLM 0.31+ (or token_ids)")
@@ -247,23 +250,26 @@ class HintIntake:
         ranges = action.token_ranges
         return [key for key, end in named if ranges is None or any(s < end <= e for s, e in ranges)]
 
-    def _name(self, req_id: str, action: HintAction, keys: list[bytes] | None, out: list[dict[str, Any]]) -> None:
+    def _name(self, req_id: str, action: HintAction, keys: list[bytes] | None, out: list[protocol.HintAction]) -> None:
         if not keys:
             self._drop(req_id, f"{action.action} names no whole chunk")
             return
-        out.append(
-            {
-                "action": action.action, "keys": keys, "priority": action.priority, "ttl_seconds": action.ttl_seconds,
-                "lease_seconds": action.lease_seconds, "deadline_seconds": action.deadline_seconds,
-            }  # fmt: skip
-        )
+        try:
+            out.append(
+                protocol.HintAction(
+                    action=action.action, keys=keys, priority=action.priority, ttl_seconds=action.ttl_seconds,
+                    lease_seconds=action.lease_seconds, deadline_seconds=action.deadline_seconds,
+                )  # fmt: skip
+            )
+        except ValueError as exc:  # e.g. more keys than one action may carry
+            self._drop(req_id, f"{action.action}: {exc}")
 
-    def _deliver(self, actions: list[dict[str, Any]]) -> None:
+    def _deliver(self, actions: list[protocol.HintAction]) -> None:
         if not actions:
             return
         if self._send is None:
             for action in actions:
-                self._drop("", f"{action['action']}: this store client takes no hints")
+                self._drop("", f"{action.action}: this store client takes no hints")
             return
         try:
             self._send(self._layout.namespace, actions)

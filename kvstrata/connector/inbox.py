@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvstrata.actors.protocol import Registration, StepReply, StepRequest
-from kvstrata.actors.registration_check import public_epoch
+from kvstrata.protocol import Registration, StepReply, StepRequest
+from kvstrata.store.registration_check import public_epoch
 from kvstrata.connector.compat import make_event
 from kvstrata.connector.manager_state import SILENCE_FLOOR_SECONDS, SILENCE_ROUND_TRIPS, ManagerState, Pin
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE

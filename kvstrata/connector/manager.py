@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.protocol import StepRequest
 from kvstrata.config import KvstrataConfig
 from kvstrata.connector.compat import (
     OffloadingConnectorStats,

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.protocol import StepRequest
 from kvstrata.config import KvstrataConfig
 from kvstrata.connector.compat import HAS_RESET_FLUSHED, OffloadingEvent
 from kvstrata.connector.control import ControlChannel

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.protocol import StoreClient
 from kvstrata.routing.coverage import BUCKET, DISK, PEER
 from kvstrata.routing.keys import KeyScheme
 from kvstrata.tiers.estimates import Cost
@@ -112,12 +113,10 @@ class ClusterFigures:
         return statistics.median(known) if known else default
 
 
-def _store(node_id: str) -> Any:
-    import ray
+def _store(node_id: str) -> StoreClient:
+    from kvstrata.actors.client import store_client
 
-    from kvstrata.actors.options import STORE_NAMESPACE, store_actor_name
-
-    return ray.get_actor(store_actor_name(node_id), namespace=STORE_NAMESPACE)
+    return store_client(node_id)
 
 
 def directory_shards() -> list[Any]:
@@ -143,7 +142,7 @@ async def read_cluster(node_ids: Iterable[str], previous: ClusterFigures, timeou
     async def one(node_id: str) -> NodeFigures | None:
         try:
             store = await asyncio.to_thread(_store, node_id)
-            stats = await asyncio.wait_for(store.stats.remote(), timeout_s)
+            stats = await asyncio.wait_for(store.stats_async(), timeout_s)
             return node_figures(node_id, stats)
         except Exception as exc:  # noqa: BLE001 - no store there (yet), or a busy one
             logger.debug("kvstrata router: node %s store unreadable (%s)", node_id[:12], type(exc).__name__)

@@ -5,7 +5,7 @@ Why: vLLM loads a request's offloaded KV only once the request is scheduled; a r
 queued behind a full batch starts nothing, and its first lookup of a chunk on disk or in
 the bucket answers RETRY while the chunk is promoted. The router knows, at routing time,
 where the request goes and which of its chunks that node covers: it asks that node's store
-(`NodeStore.prefetch`, actors/prefetch.py) to move the covered chunks that are not in the
+(`NodeStore.prefetch`, store/prefetch.py) to move the covered chunks that are not in the
 arena and hold them for the request's first lookup, which is then a HIT.
 
 What is asked: per namespace of the chosen node, the prompt's chunk keys up to what the
@@ -29,6 +29,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from kvstrata.protocol import StoreClient
 from kvstrata.routing.plan import PromptPlan
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class RoutePrefetcher:
 
     def __init__(self, lease_s: float | None = None, store_of: Any = None):
         """`lease_s`: the hold after the request's expected first lookup (None: the store's
-        `prefetch.lease_seconds`); `store_of(node_id)`: the store's handle (tests replace it)."""
+        `prefetch.lease_seconds`); `store_of(node_id)`: the store's client (tests replace it)."""
         self._lease_s = lease_s
         self._store_of = store_of or _store_handle
         self._handles: dict[str, Any] = {}
@@ -74,7 +75,7 @@ class RoutePrefetcher:
         try:
             store = self._handle(node_id)
             for namespace, chunk_keys in keys.items():
-                store.prefetch.remote(namespace, chunk_keys, deadline_s, self._lease_s)  # not waited for
+                store.send_prefetch(namespace, chunk_keys, deadline_s, self._lease_s)  # not waited for
             with self._lock:
                 self.counters["sent"] += 1
                 self.counters["chunks"] += sum(len(k) for k in keys.values())
@@ -99,13 +100,13 @@ class RoutePrefetcher:
         return handle
 
 
-def _store_handle(node_id: str) -> Any:
-    """The node's store, looked up in the Ray cluster this process is in (never one started
-    here: `ray.get_actor` would start a local Ray in a process that has none)."""
+def _store_handle(node_id: str) -> StoreClient:
+    """The node's store client, looked up in the Ray cluster this process is in (never one
+    started here: `ray.get_actor` would start a local Ray in a process that has none)."""
     import ray
 
-    from kvstrata.actors.client import get_node_store
+    from kvstrata.actors.client import store_client
 
     if not ray.is_initialized():
         raise RuntimeError("this process is not connected to a Ray cluster")
-    return get_node_store(node_id)
+    return store_client(node_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstrata.actors.protocol import StepReply, StepRequest
+from kvstrata.protocol import StepReply, StepRequest
 from kvstrata.connector.control import Outbox
 
 PENDING, DELIVERED, DONE = "pending", "delivered", "done"

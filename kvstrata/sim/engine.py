@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstrata.actors.protocol import Registration, StepRequest
+from kvstrata.protocol import Registration, StepRequest
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager
 from kvstrata.sim.channel import SimChannel

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.actors.cascade import CASCADE, UPLOAD
-from kvstrata.actors.promotion import PROMOTE
+from kvstrata.store.cascade import CASCADE, UPLOAD
+from kvstrata.store.promotion import PROMOTE
 from kvstrata.keys import key_name
 
 # The world (world.py) and its engines (engine.py) import this module: named, not imported.

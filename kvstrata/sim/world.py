@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 from kvstrata.config import load_config
 from kvstrata.keys import Layout, make_key
 from kvstrata.sim import invariants
 from kvstrata.sim.channel import DELIVERED, DONE, PENDING, Call
 from kvstrata.sim.engine import Copy, SimEngine
-from kvstrata.actors.executors import InlineExecutor
+from kvstrata.store.executors import InlineExecutor
 from kvstrata.sim.executors import JobQueue, SimExecutor
 from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.records import HEADER_BYTES

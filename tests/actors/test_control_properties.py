@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.node_store import NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.tiers.changelog import CPU, STORAGE
 from kvstrata.tiers.disk import HEADER_BYTES

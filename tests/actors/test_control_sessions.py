@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.node_store import NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from tests.utils import FakeClock, store_config
 
@@ -73,7 +73,7 @@ def test_a_call_during_which_the_store_stalled_does_not_count_against_leases(sto
     could renew meanwhile, so the stall is given back to every lease."""
     epoch = register(store, "engine")
     store.step(StepRequest("engine", NS, epoch=epoch, reserve=2))
-    with store._serving():
+    with store.serving():
         clock.advance(35)  # 3.5 leases inside one call
     register(store, "other")
     assert store._holders.get("engine") == epoch

@@ -20,7 +20,7 @@ import pytest
 
 from kvstrata import cli
 from kvstrata.actors.client import StoreUnavailable
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 from kvstrata.testing import process_tree
 from kvstrata.tiers.orphans import is_locked
 from tests.utils import store_config
@@ -197,6 +197,6 @@ sys.stdin.read()  # lives until killed
 
 
 def _reserve(holder: str, namespace: str, epoch: str, count: int):
-    from kvstrata.actors.protocol import StepRequest
+    from kvstrata.protocol import StepRequest
 
     return StepRequest(holder, namespace, epoch=epoch, reserve=count)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.node_store import NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from tests.utils import FakeClock, key, layout, store_config
 

@@ -70,7 +70,7 @@ def test_the_store_actor_keeps_its_start_up_heap_out_of_garbage_collections(stor
     waited); the actor freezes it. A store made in a test's own process leaves that process alone."""
     import gc
 
-    from kvstrata.actors.node_store import NodeStore
+    from kvstrata.store.node_store import NodeStore
 
     handle, _ = store
     assert ray.get(handle.stats.remote())["gc_frozen_objects"] > 10_000
@@ -159,7 +159,7 @@ def test_cli_status_purge_and_down(cluster, tmp_path, capsys):
     unlinks its segments (once a test named this and never called down)."""
     import yaml
 
-    from kvstrata.actors.protocol import StepRequest
+    from kvstrata.protocol import StepRequest
     from kvstrata.cli import main
 
     raw = store_config(tmp_path, capacity=64 * SLOT)

@@ -136,7 +136,7 @@ def test_status_prints_tables_of_tiers_namespaces_and_engines(store, capsys):
 
 
 def _pin_request(holder: str, probe: ChunkProbe, keys: list[bytes]):
-    from kvstrata.actors.protocol import StepRequest
+    from kvstrata.protocol import StepRequest
 
     return StepRequest(holder, NAMESPACE, epoch=probe.epoch, pin=keys)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.actors.executors import ManualExecutors
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.prefetch import PREFETCH
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.executors import ManualExecutors
+from kvstrata.store.node_store import NodeStore
+from kvstrata.store.prefetch import PREFETCH
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.tiers.disk import HEADER_BYTES
 from tests.utils import FakeClock, key, layout, store_config

@@ -13,9 +13,9 @@ import os
 
 import pytest
 
-from kvstrata.actors.executors import ManualExecutors
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.executors import ManualExecutors
+from kvstrata.store.node_store import NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.tiers.changelog import CPU, OBJECT, STORAGE
 from kvstrata.tiers.disk import HEADER_BYTES

@@ -23,9 +23,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 from rich.console import Console
 
 from kvstrata.actors import secrets as secrets_module
-from kvstrata.actors.executors import ManualExecutors
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store.executors import ManualExecutors
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.cli.status_view import render_status
 from kvstrata.config import ObjectTierConfig, load_config
 from kvstrata.connector.manager import StrataManager

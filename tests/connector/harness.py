@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-from kvstrata.actors.local_client import LocalStoreClient
+from kvstrata.store.local_client import LocalStoreClient
 from kvstrata.connector.compat import OffloadingConfig, ReqContext, ScheduleEndContext
 
 SLOT = 4096

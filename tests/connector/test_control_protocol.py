@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
-from kvstrata.actors.protocol import StepReply, StepRequest
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
+from kvstrata.protocol import StepReply, StepRequest
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager

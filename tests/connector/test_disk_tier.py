@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from kvstrata.actors import disk_jobs
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.store import disk_jobs
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
+from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager
@@ -358,7 +358,7 @@ def test_closing_the_store_lets_promotions_being_verified_finish(env, monkeypatc
     release.set()
     closer.join(20)
     assert not closer.is_alive(), "closing the store deadlocked with a verification"
-    assert store.counters["promotions"] == 4 and not store._promoting
+    assert store.counters["promotions"] == 4 and not store.promotion.busy()
 
 
 def test_a_prefetched_chunk_is_a_hit_at_its_requests_first_lookup_bit_exact(env):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext, prefix_block_hashes
 from kvstrata.connector.hints import HintError, parse_action, parse_envelope, parse_ttl

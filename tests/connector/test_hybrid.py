@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.compat import (
     CanonicalKVCaches,

@@ -47,7 +47,7 @@ def test_the_stream_follows_a_chunk_from_another_node_into_the_arena_and_out_of_
     held_elsewhere(store, manager, peer_store, chunks)
     assert load(store, manager, list(chunks)) == [LookupResult.HIT] * 2
     changes = [(k, holder_label(PEER_NODE, CPU), False) for k in chunks]  # the other node evicted them
-    store.peers._apply(0, "directory-epoch", {manager.namespace: (99, changes, False)}, dict(store._logs))
+    store.peers._apply(0, "directory-epoch", {manager.namespace: (99, changes, False)}, dict(store.ctx.logs))
     step(manager)
 
     held: dict[tuple, set[int]] = {}

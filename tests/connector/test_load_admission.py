@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext
 from kvstrata.connector.manager import StrataManager

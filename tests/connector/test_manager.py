@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager

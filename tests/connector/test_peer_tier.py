@@ -14,9 +14,9 @@ import pytest
 import ray
 
 from kvstrata.actors.directory import holder_label
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.actors.peers import PeerSync
-from kvstrata.actors.protocol import StepRequest
+from kvstrata.protocol import StepRequest
 from kvstrata.config import ClusterConfig, load_config
 from kvstrata.connector.compat import Locality, LookupResult, Medium, load_source
 from kvstrata.connector.manager import StrataManager
@@ -56,8 +56,8 @@ def engine(tmp_path, monkeypatch):
     (tmp_path / "a").mkdir()
     cfg = load_config(store_config(tmp_path / "c", capacity=16 * SLOT, reserve_slots=2))
     store = NodeStore(cfg, "node-c")
-    store._peer_io = ThreadPoolExecutor(1)  # what a store with a `cluster` section runs
-    store.peers = PeerSync("node-c", ClusterConfig(directory_shards=1), lambda: dict(store._logs), lambda shard: None)
+    peer_io = ThreadPoolExecutor(1)  # what a store with a `cluster` section runs
+    store.attach_peers(PeerSync("node-c", ClusterConfig(directory_shards=1), lambda: dict(store.ctx.logs), lambda shard: None), peer_io)
     peer_store = NodeStore(load_config(store_config(tmp_path / "a", capacity=16 * SLOT)), PEER_NODE)
     manager = StrataManager(LocalStoreClient(store), layout(worker_bytes=SLOT), cfg, "engine", enable_events=True)
     assert manager.wait_idle(10)
@@ -65,7 +65,7 @@ def engine(tmp_path, monkeypatch):
     manager.shutdown()
     store.peers = None  # its sync thread never ran
     store.close()
-    store._peer_io.shutdown(wait=True)
+    peer_io.shutdown(wait=True)
     peer_store.close()
 
 
@@ -81,7 +81,7 @@ def held_elsewhere(store, manager, peer_store, chunks, **peer):
     handle = InProcessPeer(peer_store, **peer)
     store.peers._stores[PEER_NODE] = handle
     changes = [(k, holder_label(PEER_NODE, CPU), True) for k in chunks]
-    store.peers._apply(0, "directory-epoch", {namespace: (len(changes), changes, False)}, dict(store._logs))
+    store.peers._apply(0, "directory-epoch", {namespace: (len(changes), changes, False)}, dict(store.ctx.logs))
     step(manager)
     return handle
 

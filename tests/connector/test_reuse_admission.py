@@ -9,7 +9,7 @@ import io
 import pytest
 from rich.console import Console
 
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.actors.store_metrics import metric_samples
 from kvstrata.cli.status_view import render_store
 from kvstrata.config import load_config

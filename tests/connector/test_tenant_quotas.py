@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from kvstrata.actors.node_store import LocalStoreClient, NodeStore
+from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.cli.status_view import render_status
 from kvstrata.config import load_config
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext

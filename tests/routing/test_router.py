@@ -179,13 +179,12 @@ def test_nothing_is_looked_up_before_the_first_figures_arrive():
 
 
 class FakeStore:
-    """A node store's handle whose `prefetch.remote` records the call."""
+    """A node store's client whose `send_prefetch` records the call."""
 
     def __init__(self, node: str, calls: list, arrived: threading.Event):
         self.node, self.calls, self.arrived = node, calls, arrived
-        self.prefetch = self
 
-    def remote(self, namespace, keys, deadline_s, lease_s):
+    def send_prefetch(self, namespace, keys, deadline_s, lease_s):
         self.calls.append((self.node, namespace, list(keys), deadline_s, lease_s))
         self.arrived.set()
 

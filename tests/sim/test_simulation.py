@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvstrata.actors.purge import Purge
+from kvstrata.store.context import Generations
 from kvstrata.sim.explore import config_for, replay, run_seed, shrink
 from kvstrata.sim.world import SimConfig
 from kvstrata.tiers.reuse import DeferredReuse
@@ -70,7 +70,7 @@ def test_a_purge_that_lets_its_work_in_flight_land_is_caught(monkeypatch):
     """Finding 3 of issue #37 as the random runs see it: with the purge generation ignored
     (a promotion, upload or sweep queued before a weight update's purge commits after it),
     a seed soon leaves chunks of the purged namespace in a tier once its work settled."""
-    monkeypatch.setattr(Purge, "_purged_since", lambda self, namespace, generation: False)
+    monkeypatch.setattr(Generations, "purged_since", lambda self, namespace, generation: False)
     for seed in range(10):
         result = run_seed(seed, 20_000)
         if result.violations:

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvstrata.actors.node_store import NodeStore
-from kvstrata.actors.store_report import _disk_report
+from kvstrata.store.node_store import NodeStore
+from kvstrata.store.report import _disk_report
 from kvstrata.config import load_config
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier
 from kvstrata.tiers.disk.damaged import DAMAGED_DIR
@@ -80,7 +80,7 @@ def test_a_disk_tier_that_fails_in_any_way_leaves_the_store_serving_the_arena(tm
     def broken(*args, **kwargs):
         raise ZeroDivisionError("integer division or modulo by zero")
 
-    monkeypatch.setattr("kvstrata.actors.node_store.DiskTier", broken)
+    monkeypatch.setattr("kvstrata.store.node_store.DiskTier", broken)
     disk = {"path": str(tmp_path / "disk"), "capacity": CAPACITY}
     store = NodeStore(load_config(store_config(tmp_path, capacity=8 * SIZE, disk=disk)), "node0")
     try:

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 import numpy as np
 import pytest
 
-from kvstrata.actors.node_store import NodeStore
+from kvstrata.store.node_store import NodeStore
 from kvstrata.config import ObjectTierConfig, load_config
 from kvstrata.tiers.disk import HEADER_BYTES
 from kvstrata.tiers.object_store import ObjectTier

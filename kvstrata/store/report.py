@@ -20,6 +20,7 @@ them:
   `failed`: I/O errors. `corrupt`: chunks that failed their checksum.
 - `state`: `on`, `off` (not configured), or `error`/`paused` with `reason`.
 
+`store` is a `NodeStore` (node_store.py), read through its public fields and its context.
 Must not: change the store (it only reads, under the store lock) or import a part of it.
 """
 
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from kvstrata.actors.io_meter import DIRECTIONS
-from kvstrata.actors.store_state import PROMOTION_SOURCES, StoreState
+from kvstrata.store.io_meter import DIRECTIONS
+from kvstrata.store.context import PROMOTION_SOURCES
 from kvstrata.tiers.changelog import OBJECT
 from kvstrata.tiers.estimates import peer_node
 
@@ -53,7 +54,7 @@ class TierReport(TypedDict, total=False):
     write_bytes_per_second: float
 
 
-def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, Any]:
+def store_report(store: Any, disk_stats: dict[str, Any] | None) -> dict[str, Any]:
     """The report of one store (call it under the store's lock); `disk_stats`: the disk
     tier's `stats()` as the caller already took them (None without a disk tier)."""
     counters = store.counters
@@ -97,7 +98,7 @@ def store_report(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[s
     }
 
 
-def _admission(store: StoreState) -> dict[str, Any]:
+def _admission(store: Any) -> dict[str, Any]:
     """Cost-based admission (docs/admission.md): copies skipped as unlikely to be reused,
     per tier; what each lower tier delivered lately (`estimates`: disk, object, peer, the
     figures engines weigh loads by); and what each other node delivered lately
@@ -126,7 +127,7 @@ def _admission(store: StoreState) -> dict[str, Any]:
     }
 
 
-def _disk_report(store: StoreState, stats: dict[str, Any] | None) -> TierReport:
+def _disk_report(store: Any, stats: dict[str, Any] | None) -> TierReport:
     if stats is None:
         if store.disk_error:
             return {"state": "error", "reason": store.disk_error}
@@ -149,13 +150,13 @@ def _disk_report(store: StoreState, stats: dict[str, Any] | None) -> TierReport:
     }
 
 
-def _object_report(store: StoreState) -> TierReport:
+def _object_report(store: Any) -> TierReport:
     if store.object is None:
         return {"state": "off"}
     stats = store.object.stats()
     counters = store.counters
     chunks = used = 0
-    for namespace, log in store._logs.items():
+    for namespace, log in store.ctx.logs.items():
         count = log.count(OBJECT)
         chunks += count
         pool = store.arena.pools.get(namespace)
@@ -177,7 +178,7 @@ def _object_report(store: StoreState) -> TierReport:
     return report
 
 
-def _peer_report(store: StoreState) -> TierReport:
+def _peer_report(store: Any) -> TierReport:
     if store.peers is None:
         return {"state": "off"}
     stats = {"directory_reachable": True, "peer_chunks": 0, "fetch_failures": 0, "sync_failures": 0,
@@ -200,7 +201,7 @@ def _peer_report(store: StoreState) -> TierReport:
     return report
 
 
-def _io(store: StoreState, tier: str) -> TierReport:
+def _io(store: Any, tier: str) -> TierReport:
     report: TierReport = {}
     for direction in DIRECTIONS:
         totals = store.io_meter.totals(tier, direction)
@@ -210,11 +211,11 @@ def _io(store: StoreState, tier: str) -> TierReport:
     return report
 
 
-def _namespaces(store: StoreState, disk_resident: dict[str, int]) -> dict[str, dict[str, Any]]:
+def _namespaces(store: Any, disk_resident: dict[str, int]) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for namespace in sorted(set(store.layouts) | set(store.arena.pools) | set(disk_resident)):
         pool = store.arena.pools.get(namespace)
-        log = store._logs.get(namespace)
+        log = store.ctx.logs.get(namespace)
         found[namespace] = {
             "models": list(store.layouts.get(namespace, {}).get("models", [])),
             "chunks": {
@@ -226,7 +227,7 @@ def _namespaces(store: StoreState, disk_resident: dict[str, int]) -> dict[str, d
     return found
 
 
-def _tenants(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, dict[str, dict[str, int | None]]]:
+def _tenants(store: Any, disk_stats: dict[str, Any] | None) -> dict[str, dict[str, dict[str, int | None]]]:
     """Per tenant (`namespace_prefix`) and tier: `used`, the bytes counted against its quota
     (arena: its pools' segments; disk: its slabs' records; object: its objects as of the
     last sweep plus this node's uploads since), and `quota` (None: none in that tier)."""
@@ -242,7 +243,7 @@ def _tenants(store: StoreState, disk_stats: dict[str, Any] | None) -> dict[str, 
     return dict(sorted(tenants.items()))
 
 
-def _engines(store: StoreState) -> dict[str, dict[str, Any]]:
+def _engines(store: Any) -> dict[str, dict[str, Any]]:
     """Engines with a live lease: seconds left on it, chunks they pin, slots they reserved,
     and the prefill rate `admission.load` weighs loads against (None: not known yet)."""
     engines: dict[str, dict[str, Any]] = {}
@@ -256,7 +257,7 @@ def _engines(store: StoreState) -> dict[str, dict[str, Any]]:
             "lease_seconds_left": round(seconds_left, 1),
             "pinned": pinned,
             "reserved": reserved,
-            "recompute_tokens_per_second": store._recompute_rates.get(holder),
+            "recompute_tokens_per_second": store.ctx.recompute_rates.get(holder),
         }
     return engines
 

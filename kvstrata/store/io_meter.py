@@ -49,10 +49,16 @@ class IoMeter:
         self._recent: dict[tuple[str, str], deque[tuple[float, int]]] = {key: deque() for key in self._totals}
 
     def record(self, tier: str, direction: str, nbytes: int, chunks: int, seconds: float = 0.0) -> None:
-        """One finished batch. Raises KeyError for a tier or direction not in `TIERS`/`DIRECTIONS`."""
+        """One finished batch. A tier not in `TIERS` (a lower tier plugged in by registration,
+        tiers/base.py) is metered from its first batch; a direction not in `DIRECTIONS` is a KeyError."""
+        if direction not in DIRECTIONS:
+            raise KeyError((tier, direction))
         key = (tier, direction)
         now = self._clock()
         with self._lock:
+            if key not in self._totals:
+                self._totals[key] = IoTotals()
+                self._recent[key] = deque()
             totals = self._totals[key]
             totals.bytes += nbytes
             totals.chunks += chunks

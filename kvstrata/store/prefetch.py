@@ -24,7 +24,8 @@ the second finds it held or on its way and extends its lease.
 
 Owns: the holder `PREFETCH`, the holds (`_held`), the chunks on their way for a prefetch
 (`_wanted`; `_waiting`: those whose slot is still settling, started at a later engine
-step), the `prefetch_*` counters.
+step), the `prefetch_*` counters. Listens to promotion.py (`landed`) and is told of each
+engine step's uses (`used`, by hints.py) and of purges (`purged`).
 Invariants (under the store lock): every hold is exactly one `PREFETCH` pin of its slot,
 undone exactly once (used, expired, unpinned, or the namespace purged); a chunk is in at
 most one of `_held` and `_wanted`; a purge forgets the namespace's holds and wants.
@@ -40,12 +41,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from kvstrata.actors.registration_check import shared_across_nodes
-from kvstrata.actors.store_state import StoreState, logger
 from kvstrata.keys import key_group
 from kvstrata.namespaces import check_namespace
+from kvstrata.store.context import StoreContext, logger
+from kvstrata.store.promotion import Promotion
 from kvstrata.tiers.arena import SlotPool
-from kvstrata.tiers.changelog import OBJECT, PEER
 from kvstrata.tiers.estimates import break_even
 
 PREFETCH = "kvstrata:prefetch"  # internal pin holder: no lease in the arena's table, never expires there
@@ -81,15 +81,18 @@ def _check_keys(keys: object) -> list[bytes]:
     return list(keys)
 
 
-class Prefetch(StoreState):
-    """Mixin of `NodeStore`: prefetch with a lease, and hint pins, over promotion.py."""
+class Prefetch:
+    """Prefetch with a lease, and hint pins, over promotion.py."""
 
-    def _init_prefetch(self) -> None:
+    def __init__(self, ctx: StoreContext, promotion: Promotion):
+        self._ctx = ctx
+        self._promotion = promotion
+        promotion.on_landed.append(self.landed)
         self._held: dict[str, dict[bytes, Hold]] = {}
         self._wanted: dict[tuple[str, bytes], Want] = {}
         self._waiting: dict[str, set[bytes]] = {}  # namespace -> wanted keys with no slot yet (not started)
         self._hold_expiries: list[tuple[float, str, bytes]] = []  # heap over leased holds
-        self.counters.update(
+        ctx.counters.update(
             prefetch_asked=0,  # keys prefetches named
             prefetch_resident=0,  # held where they were: already in the arena
             prefetch_joined=0,  # already held or on their way for an earlier prefetch: lease extended
@@ -120,26 +123,50 @@ class Prefetch(StoreState):
         keys = _check_keys(keys)
         if not (math.isfinite(deadline_s) and deadline_s >= 0):
             raise ValueError(f"prefetch deadline_s must be seconds >= 0, got {deadline_s!r}")
-        lease_s = self.config.prefetch.lease_seconds if lease_s is None else lease_s
+        lease_s = self._ctx.config.prefetch.lease_seconds if lease_s is None else lease_s
         if not (math.isfinite(lease_s) and lease_s > 0):
             raise ValueError(f"prefetch lease_s must be positive seconds, got {lease_s!r}")
-        with self._lock:
-            self._expire_holds()
-            return self._prefetch(namespace, keys, self._clock() + deadline_s + lease_s, pinned=False)
+        with self._ctx.lock:
+            self.expire_holds()
+            return self._prefetch(namespace, keys, self._ctx.clock() + deadline_s + lease_s, pinned=False)
+
+    def pin(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]:
+        """Hold `keys` with no lease until `unpin` (or a purge), within the tenant's pin
+        quota (hints.py: `pin_chunks` checks the arguments)."""
+        with self._ctx.lock:
+            self.expire_holds()
+            return self._prefetch(namespace, list(keys), math.inf, pinned=True)
+
+    def unpin(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """End the pins of `keys` (chunks not pinned are ignored); how many ended."""
+        ended = 0
+        with self._ctx.lock:
+            held = self._held.get(namespace, {})
+            for key in keys:
+                hold = held.get(key)
+                if hold is not None and hold.pinned:
+                    self._release(namespace, key)
+                    ended += 1
+                want = self._wanted.get((namespace, key))
+                if want is not None and want.pinned:
+                    del self._wanted[(namespace, key)]  # on its way: it lands unheld
+                    self._waiting.get(namespace, set()).discard(key)
+                    ended += 1
+        return ended
 
     def prefetch_pending(self, namespace: str) -> int:
         """Chunks of the namespace on their way for a prefetch or pin, or waiting for a slot."""
-        with self._lock:
-            pool = self.arena.pools.get(namespace)
+        with self._ctx.lock:
+            pool = self._ctx.arena.pools.get(namespace)
             if pool is not None:
                 self._retry_waiting(namespace, pool)
             return sum(1 for ns, _ in self._wanted if ns == namespace)
 
     def prefetch_holds(self, namespace: str) -> dict[bytes, float]:
         """Chunks held for a prefetch or pin, with the seconds left on each hold (tools, tests)."""
-        with self._lock:
-            self._expire_holds()
-            now = self._clock()
+        with self._ctx.lock:
+            self.expire_holds()
+            now = self._ctx.clock()
             return {key: hold.until - now for key, hold in self._held.get(namespace, {}).items()}
 
     # --- internals ----------------------------------------------------------------------
@@ -147,15 +174,13 @@ class Prefetch(StoreState):
     def _prefetch(self, namespace: str, keys: list[bytes], until: float, pinned: bool) -> dict[str, int]:
         """Hold or start moving `keys` (callers hold the lock); the report `prefetch` returns."""
         report: Counter[str] = Counter()
-        self.counters["prefetch_asked"] += len(keys)
-        pool = self.arena.pools.get(namespace)
+        self._ctx.counters["prefetch_asked"] += len(keys)
+        pool = self._ctx.arena.pools.get(namespace)
         if pool is None:
             return self._refuse(report, "unknown_namespace", len(keys))
         held = self._held.setdefault(namespace, {})
         room = self._pin_room(namespace, pool) if pinned else self._prefetch_room(namespace, pool)
-        on_disk = self.disk.present(namespace, keys) if self.disk is not None and keys else set()
-        log = self._log(namespace)
-        shared = shared_across_nodes(self.layouts.get(namespace))
+        sources = self._promotion.sources(namespace, [key for key in keys if pool.lookup(key) is None])
         to_move: dict[bytes, str] = {}
         for index, key in enumerate(keys):
             hold = held.get(key)
@@ -169,12 +194,9 @@ class Prefetch(StoreState):
             slot = pool.lookup(key)
             source = None
             if slot is None:
-                if key in on_disk:
-                    source = "disk"
-                elif shared and self.peers is not None and log.has(key, PEER):
-                    source = "peer"
-                elif shared and self.object is not None and self.object.available() and log.has(key, OBJECT):
-                    source = "object"
+                tier = sources.get(key)
+                if tier is not None:
+                    source = tier.name
                 else:
                     return self._refuse(self._start(namespace, pool, to_move, until, pinned, report), "absent", len(keys) - index)
             if room <= 0:
@@ -197,9 +219,9 @@ class Prefetch(StoreState):
         if not pinned and not self._worth_loading(namespace, pool, to_move):
             return self._refuse(report, "break_even", len(to_move))
         keys = list(to_move)
-        self._promote(namespace, pool, keys)  # promotion.py: joins any promotion in flight
+        self._promotion.promote(namespace, pool, keys)  # joins any promotion in flight
         for key in keys:
-            if (namespace, key) in self._promoting:
+            if self._promotion.in_flight(namespace, key):
                 self._wanted[(namespace, key)] = Want(until, pinned)
                 report["moving"] += 1
             elif pool.settling:  # the slots it evicted free at the engines' next acknowledgement
@@ -218,13 +240,13 @@ class Prefetch(StoreState):
         if not waiting or not pool.stats()["free"]:
             return
         keys = list(waiting)
-        self._promote(namespace, pool, keys)
-        now = self._clock()
+        self._promotion.promote(namespace, pool, keys)
+        now = self._ctx.clock()
         for key in keys:
             want = self._wanted.get((namespace, key))
             if want is None:
                 waiting.discard(key)
-            elif (namespace, key) in self._promoting:
+            elif self._promotion.in_flight(namespace, key):
                 want.started = True
                 waiting.discard(key)
             elif not pool.settling or want.until <= now:
@@ -237,19 +259,20 @@ class Prefetch(StoreState):
     def _refuse(self, report: Counter[str], reason: str, count: int) -> Counter[str]:
         if count > 0:
             report[f"refused_{reason}"] += count
-            self.counters[f"prefetch_refused_{reason}"] += count
+            self._ctx.counters[f"prefetch_refused_{reason}"] += count
         return report
 
     def _worth_loading(self, namespace: str, pool: SlotPool, to_move: dict[bytes, str]) -> bool:
         """Whether loading these chunks beats recomputing them, as `admission.load:
         break_even` decides in the engines (estimates.break_even), with the node's engines'
         median prefill rate; True where anything is unknown (loading measures a tier)."""
-        admission = self.config.admission
+        ctx = self._ctx
+        admission = ctx.config.admission
         if admission.load != "break_even":
             return True
-        rates = [rate for rate in self._recompute_rates.values() if rate > 0]
-        rate = median(rates) if rates else self.config.engine.recompute_tokens_per_second
-        layout = self.layouts.get(namespace) or {}
+        rates = [rate for rate in ctx.recompute_rates.values() if rate > 0]
+        rate = median(rates) if rates else ctx.config.engine.recompute_tokens_per_second
+        layout = ctx.layouts.get(namespace) or {}
         try:
             per_group = dict(zip(layout["group_ids"], layout["tokens_per_block"]))
             blocks = int(layout["blocks_per_chunk"])
@@ -262,13 +285,13 @@ class Prefetch(StoreState):
             by_group[key_group(key)] += 1
         tokens = max((count * int(per_group.get(group, 0)) * blocks for group, count in by_group.items()), default=0)
         load, _ = break_even(
-            dict(by_tier), tokens, self.tier_estimates.costs(), rate, admission.safety_margin, admission.stale_seconds
+            dict(by_tier), tokens, ctx.tier_estimates.costs(), rate, admission.safety_margin, admission.stale_seconds
         )
         return load
 
     def _prefetch_room(self, namespace: str, pool: SlotPool) -> int:
         """Chunks a prefetch may still hold or move in this namespace (`prefetch.max_share`)."""
-        cap = int(pool.max_slots * self.config.prefetch.max_share)
+        cap = int(pool.max_slots * self._ctx.config.prefetch.max_share)
         leased = sum(1 for hold in self._held.get(namespace, {}).values() if not hold.pinned)
         leased += sum(1 for (ns, _), want in self._wanted.items() if ns == namespace and not want.pinned)
         return cap - leased
@@ -276,10 +299,11 @@ class Prefetch(StoreState):
     def _pin_room(self, namespace: str, pool: SlotPool) -> int:
         """Chunks pins may still hold for this namespace's tenant (`prefetch.pin_share` of its
         arena quota, else of the arena), over all the tenant's namespaces."""
-        quotas = self.arena.quotas
+        arena = self._ctx.arena
+        quotas = arena.quotas
         tenant = quotas.tenant(namespace)
-        share = quotas.limit(namespace) or self.arena.capacity
-        cap = int(share * self.config.prefetch.pin_share) // pool.geometry.slot_bytes
+        share = quotas.limit(namespace) or arena.capacity
+        cap = int(share * self._ctx.config.prefetch.pin_share) // pool.geometry.slot_bytes
         pinned = 0
         for ns, holds in self._held.items():
             if quotas.tenant(ns) == tenant:
@@ -306,30 +330,31 @@ class Prefetch(StoreState):
     def _release(self, namespace: str, key: bytes) -> Hold | None:
         """End a hold: its `PREFETCH` pin is undone, the chunk is left to normal eviction."""
         hold = self._held.get(namespace, {}).pop(key, None)
-        pool = self.arena.pools.get(namespace)
+        pool = self._ctx.arena.pools.get(namespace)
         if hold is not None and pool is not None:
             pool.unpin(PREFETCH, [hold.slot])
         return hold
 
-    def _expire_holds(self) -> None:
+    def expire_holds(self) -> None:
         """Release the holds whose lease ran out (callers hold the lock)."""
-        now = self._clock()
+        now = self._ctx.clock()
         while self._hold_expiries and self._hold_expiries[0][0] <= now:
             until, namespace, key = heapq.heappop(self._hold_expiries)
             hold = self._held.get(namespace, {}).get(key)
             if hold is None or hold.pinned or hold.until != until:
                 continue  # used, pinned or extended since
             self._release(namespace, key)
+            counters = self._ctx.counters
             if hold.moved:
-                slot_bytes = self.arena.pools[namespace].geometry.slot_bytes
-                self.counters["prefetch_expired_unused"] += 1
-                self.counters["prefetch_expired_unused_bytes"] += slot_bytes
+                slot_bytes = self._ctx.arena.pools[namespace].geometry.slot_bytes
+                counters["prefetch_expired_unused"] += 1
+                counters["prefetch_expired_unused_bytes"] += slot_bytes
             else:
-                self.counters["prefetch_expired_resident"] += 1
+                counters["prefetch_expired_resident"] += 1
 
     # --- hooks: called by the store's other parts, under the lock -------------------------
 
-    def _prefetch_landed(self, namespace: str, pool: SlotPool, items: Iterable[tuple[bytes, int]], ok: Iterable[bool]) -> None:
+    def landed(self, namespace: str, pool: SlotPool, items: Iterable[tuple[bytes, int]], ok: Iterable[bool]) -> None:
         """Promotions ended (promotion.py, before it lets go of their slots): the chunks a
         prefetch wanted are held where the index now has them."""
         if not self._wanted:
@@ -344,14 +369,14 @@ class Prefetch(StoreState):
                 self._refuse(Counter(), "failed", 1)
                 continue
             self._hold(namespace, pool, key, slot, want.until, moved=True, pinned=want.pinned)
-            self.counters["prefetch_moved"] += 1
-            self.counters["prefetch_moved_bytes"] += pool.geometry.slot_bytes
+            self._ctx.counters["prefetch_moved"] += 1
+            self._ctx.counters["prefetch_moved_bytes"] += pool.geometry.slot_bytes
 
-    def _prefetch_used(self, namespace: str, pool: SlotPool, keys: Iterable[bytes]) -> None:
-        """An engine step held or pinned `keys` (store_control.py, after the step's pins):
+    def used(self, namespace: str, pool: SlotPool, keys: Iterable[bytes]) -> None:
+        """An engine step held or pinned `keys` (control.py, after the step's pins):
         their leased holds end, the engine's own pins keep them now. Moves that waited for
         a slot are tried again (the step acknowledged the evictions that free one)."""
-        self._expire_holds()
+        self.expire_holds()
         self._retry_waiting(namespace, pool)
         held = self._held.get(namespace)
         if not held:
@@ -360,10 +385,10 @@ class Prefetch(StoreState):
             hold = held.get(key)
             if hold is not None and not hold.pinned:
                 self._release(namespace, key)
-                self.counters["prefetch_used"] += 1
+                self._ctx.counters["prefetch_used"] += 1
 
-    def _prefetch_purged(self, namespace: str) -> None:
-        """The namespace was purged (purge.py): its holds and wants are forgotten."""
+    def purged(self, namespace: str) -> None:
+        """The namespace was purged (purges.py): its holds and wants are forgotten."""
         for key in list(self._held.get(namespace, {})):
             self._release(namespace, key)
         self._held.pop(namespace, None)

@@ -1,6 +1,12 @@
-"""Control-plane messages between an engine's manager and its node store.
+"""The engine<->store contract, in one module: the messages, the hint actions, the client.
 
-One `StepRequest` per scheduler step at most, never carrying KV bytes: keys, slot
+Everything that crosses between an engine (or a router, `kvstrata warm`, the CLI) and a
+node store is declared here: the step and registration messages, the typed KV hint
+actions (the one copy of their names), and `StoreClient`, the calls a store answers,
+which the Ray client (actors/client.py) and the in-process one (store/local_client.py)
+both satisfy. Nothing outside the clients calls a store handle directly.
+
+Step messages: one `StepRequest` per scheduler step at most, never carrying KV bytes: keys, slot
 numbers and counts only. Requests merge, so a manager that produced several steps'
 worth while a call was in flight sends them as one.
 
@@ -14,7 +20,10 @@ requests exactly in the order the engine built them, whatever the calls' fates.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 
 @dataclass
@@ -120,3 +129,118 @@ class Registration:
     indexed: bool = True  # as in StepReply
     # The store's lease: an engine that had no answer for half of it answers no HIT.
     lease_seconds: float = 0.0
+
+
+# --- KV hint actions -----------------------------------------------------------------------
+
+PREFETCH_ACTION = "kv.prefetch"
+RETAIN_ACTION = "kv.retain"
+PIN_ACTION = "pin"
+UNPIN_ACTION = "unpin"
+ACTIONS = (PREFETCH_ACTION, RETAIN_ACTION, PIN_ACTION, UNPIN_ACTION)
+HintName = Literal["kv.prefetch", "kv.retain", "pin", "unpin"]
+MAX_HINT_KEYS = 65536  # keys in one action: a prompt of millions of tokens, not a flood
+
+
+@dataclass(frozen=True)
+class HintAction:
+    """One KV hint over chunk keys, as a store applies it (store/hints.py).
+
+    `kv.prefetch` uses `deadline_seconds` and `lease_seconds`, `kv.retain` `priority` and
+    `ttl_seconds`; `pin` and `unpin` only the keys. On the wire (a Ray call, Python's
+    `kvstrata.hints`) it travels as the mapping `to_wire` makes."""
+
+    action: HintName
+    keys: list[bytes]
+    priority: int | None = None
+    ttl_seconds: float | None = None
+    lease_seconds: float | None = None
+    deadline_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"unknown action {self.action!r} (known: {', '.join(ACTIONS)})")
+        if len(self.keys or ()) > MAX_HINT_KEYS:
+            raise ValueError(f"{len(self.keys)} keys in one action; at most {MAX_HINT_KEYS}")
+        if not math.isfinite(self.deadline_seconds):
+            raise ValueError(f"deadline_seconds must be finite seconds, got {self.deadline_seconds!r}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "action": self.action, "keys": self.keys, "priority": self.priority, "ttl_seconds": self.ttl_seconds,
+            "lease_seconds": self.lease_seconds, "deadline_seconds": self.deadline_seconds,
+        }  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, raw: Mapping[str, Any]) -> HintAction:
+        """The action a mapping describes; a ValueError (or TypeError) naming what is wrong."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"an action is a mapping, got {type(raw).__name__}")
+        keys = raw.get("keys")
+        if len(keys or ()) > MAX_HINT_KEYS:
+            raise ValueError(f"{len(keys)} keys in one action; at most {MAX_HINT_KEYS}")
+        lease = raw.get("lease_seconds")
+        return cls(
+            action=raw.get("action"),  # type: ignore[arg-type] - checked in __post_init__
+            keys=keys,
+            priority=raw.get("priority"),
+            ttl_seconds=raw.get("ttl_seconds"),
+            lease_seconds=None if lease is None else float(lease),
+            deadline_seconds=float(raw.get("deadline_seconds", 0.0) or 0.0),
+        )
+
+
+# --- the client ----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class StoreClient(Protocol):
+    """The calls a node store answers, as engines, routers, `kvstrata warm` and the CLI make
+    them. `actors.client.RayStoreClient` (a store actor, each call bounded by a timeout)
+    and `store.local_client.LocalStoreClient` (a store in this process) satisfy it.
+    Calls raise `StoreUnavailable` (actors/client.py) where the store cannot be reached."""
+
+    # Engines: the control plane.
+    def register(
+        self,
+        holder: str,
+        namespace: str,
+        slot_bytes: int,
+        layout: Mapping[str, object] | None = None,
+        watch: bool = False,
+        epoch: str = "",
+        nonce: str = "",
+    ) -> Registration: ...
+
+    def step(self, request: StepRequest) -> StepReply: ...
+
+    def release_holder(self, holder: str, epoch: str) -> None: ...
+
+    def apply_hints(self, namespace: str, actions: Sequence[HintAction]) -> None:
+        """Sent without waiting: a hint must never hold the scheduler."""
+
+    # Routers and `kvstrata warm`: moving and keeping chunks.
+    def prefetch(
+        self, namespace: str, keys: Sequence[bytes], deadline_s: float = 0.0, lease_s: float | None = None
+    ) -> dict[str, int]: ...
+
+    def send_prefetch(
+        self, namespace: str, keys: Sequence[bytes], deadline_s: float = 0.0, lease_s: float | None = None
+    ) -> None:
+        """`prefetch`, not waited for (a router must not wait on a store)."""
+
+    def pin_chunks(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]: ...
+
+    def retain(self, namespace: str, keys: Sequence[bytes], priority: int, ttl_s: float) -> dict[str, int]: ...
+
+    def prefetch_holds(self, namespace: str) -> dict[bytes, float]: ...
+
+    def prefetch_pending(self, namespace: str) -> int: ...
+
+    # Operators: status and purges.
+    def stats(self) -> dict[str, object]: ...
+
+    def stats_async(self) -> Awaitable[dict[str, object]]:
+        """`stats` for an event loop (routers' status figures)."""
+
+    def purge(self, namespace: str | None = None) -> int: ...

@@ -13,9 +13,12 @@ counted, and nothing a hint does can fail an engine's request.
 - `pin` / `unpin`: hold chunks in the arena until unpinned, within the tenant's pin quota
   (`prefetch.pin_share`); chunks on a lower tier are promoted first.
 
+The action names and the typed action are the engine<->store contract's
+(kvstrata/protocol.py: `HintAction`); this module applies them.
+
 Owns: the retention table (`_retention`), the `hints_*` and `retain_*` counters, the
-arena pools' and the disk tier's retention-aware eviction orders (installed at a
-namespace's first retention).
+arena pools' and the lower tiers' retention-aware eviction orders (installed at a
+namespace's first retention). Listens to purges (`forget`).
 Invariants: every call here runs under the store lock; a hint never raises out of
 `apply_hints`; a purge forgets the namespace's retentions, pins and prefetch holds.
 Must not: move chunks itself (prefetch.py and promotion.py do), or import vLLM.
@@ -27,26 +30,34 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvstrata.actors.prefetch import Prefetch, _check_keys
 from kvstrata.namespaces import check_namespace
+from kvstrata.protocol import (
+    ACTIONS,
+    MAX_HINT_KEYS,
+    PIN_ACTION,
+    PREFETCH_ACTION,
+    RETAIN_ACTION,
+    UNPIN_ACTION,
+    HintAction,
+)
+from kvstrata.store.context import StoreContext
+from kvstrata.store.prefetch import Prefetch, _check_keys
 from kvstrata.tiers.arena import SlotPool
+from kvstrata.tiers.base import LowerTier
 from kvstrata.tiers.retention import MAX_PRIORITY, RetentionOrder, RetentionTable
 
-PREFETCH_ACTION = "kv.prefetch"
-RETAIN_ACTION = "kv.retain"
-PIN_ACTION = "pin"
-UNPIN_ACTION = "unpin"
-ACTIONS = (PREFETCH_ACTION, RETAIN_ACTION, PIN_ACTION, UNPIN_ACTION)
-MAX_HINT_KEYS = 65536  # keys in one action: a prompt of millions of tokens, not a flood
+__all__ = ["ACTIONS", "MAX_HINT_KEYS", "Hints"]
 
 
-class Hints(Prefetch):
-    """Mixin of `NodeStore`: retention, pins and the hint batch call."""
+class Hints:
+    """Retention, pins and the hint batch call."""
 
-    def _init_hints(self) -> None:
-        self._init_prefetch()
-        self._retention = RetentionTable(self._clock, self.config.prefetch.max_retained_chunks)
-        self.counters.update(
+    def __init__(self, ctx: StoreContext, prefetch: Prefetch, tiers: Sequence[LowerTier]):
+        self._ctx = ctx
+        self._prefetch = prefetch
+        self._tiers = tiers
+        self._retention = RetentionTable(ctx.clock, ctx.config.prefetch.max_retained_chunks)
+        ctx.counters.update(
             hints_applied=0,  # actions applied (some of their chunks may still be refused)
             hints_refused=0,  # actions refused whole: malformed, unknown action, bad namespace
             retain_chunks=0,  # chunks given a retention
@@ -69,18 +80,19 @@ class Hints(Prefetch):
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (math.isfinite(ttl_s) and ttl_s > 0):
             raise ValueError(f"retain ttl must be positive seconds, got {ttl_s!r}")
         report = {"retained": 0, "refused_full": 0, "ttl_cut": 0}
-        longest = self.config.prefetch.max_retain_seconds
+        longest = self._ctx.config.prefetch.max_retain_seconds
         if ttl_s > longest:
             ttl_s, report["ttl_cut"] = longest, len(keys)
-        with self._lock:
+        with self._ctx.lock:
             if priority == 0:
                 self._retention.release(namespace, keys)
                 return report
             refused = self._retention.retain(namespace, keys, priority, ttl_s)
             report["retained"], report["refused_full"] = len(keys) - refused, refused
-            self.counters["retain_chunks"] += report["retained"]
-            self.counters["retain_refused_full"] += refused
-            self.counters["retain_ttl_cut"] += report["ttl_cut"]
+            counters = self._ctx.counters
+            counters["retain_chunks"] += report["retained"]
+            counters["retain_refused_full"] += refused
+            counters["retain_ttl_cut"] += report["ttl_cut"]
             self._install_retention(namespace)
         return report
 
@@ -88,47 +100,34 @@ class Hints(Prefetch):
         """Hold `keys` in the arena until `unpin_chunks` (or a purge), promoting those on a
         lower tier; within the tenant's pin quota (`refused_quota` past it)."""
         check_namespace(namespace)
-        keys = _check_keys(keys)
-        with self._lock:
-            self._expire_holds()
-            return self._prefetch(namespace, keys, math.inf, pinned=True)
+        return self._prefetch.pin(namespace, _check_keys(keys))
 
     def unpin_chunks(self, namespace: str, keys: Sequence[bytes]) -> int:
         """End the pins of `keys` (chunks not pinned are ignored); how many ended."""
         check_namespace(namespace)
-        keys = _check_keys(keys)
-        ended = 0
-        with self._lock:
-            held = self._held.get(namespace, {})
-            for key in keys:
-                hold = held.get(key)
-                if hold is not None and hold.pinned:
-                    self._release(namespace, key)
-                    ended += 1
-                want = self._wanted.get((namespace, key))
-                if want is not None and want.pinned:
-                    del self._wanted[(namespace, key)]  # on its way: it lands unheld
-                    self._waiting.get(namespace, set()).discard(key)
-                    ended += 1
-            self.counters["unpins"] += ended
+        ended = self._prefetch.unpin(namespace, _check_keys(keys))
+        with self._ctx.lock:
+            self._ctx.counters["unpins"] += ended
         return ended
 
-    def apply_hints(self, namespace: str, actions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    def apply_hints(self, namespace: str, actions: Sequence[HintAction | Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Apply a batch of hint actions to one namespace; one outcome per action, in order.
 
-        An action: `{"action": "kv.prefetch" | "kv.retain" | "pin" | "unpin", "keys": [...],
-        "priority": int, "ttl_seconds": float, "lease_seconds": float, "deadline_seconds":
-        float}` (what each action needs). A malformed one gets `{"ok": False, "error": why}`
-        and is counted (`hints_refused`); this call never raises for an action."""
+        An action: a `HintAction` (kvstrata/protocol.py) or its wire form `{"action":
+        "kv.prefetch" | "kv.retain" | "pin" | "unpin", "keys": [...], "priority": int,
+        "ttl_seconds": float, "lease_seconds": float, "deadline_seconds": float}` (what
+        each action needs). A malformed one gets `{"ok": False, "error": why}` and is
+        counted (`hints_refused`); this call never raises for an action."""
         outcomes: list[dict[str, Any]] = []
+        counters = self._ctx.counters
         for index, action in enumerate(actions if isinstance(actions, Sequence) else ()):
             try:
                 outcomes.append({"ok": True, **self._apply(namespace, action)})
-                with self._lock:
-                    self.counters["hints_applied"] += 1
+                with self._ctx.lock:
+                    counters["hints_applied"] += 1
             except (ValueError, TypeError, KeyError) as exc:
-                with self._lock:
-                    self.counters["hints_refused"] += 1
+                with self._ctx.lock:
+                    counters["hints_refused"] += 1
                 outcomes.append({"ok": False, "error": f"hint action {index}: {exc}"})
         return outcomes
 
@@ -138,47 +137,37 @@ class Hints(Prefetch):
 
     # --- internals ----------------------------------------------------------------------
 
-    def _apply(self, namespace: str, action: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(action, Mapping):
-            raise ValueError(f"an action is a mapping, got {type(action).__name__}")
-        kind = action.get("action")
-        keys = action.get("keys")
-        if len(keys or ()) > MAX_HINT_KEYS:
-            raise ValueError(f"{len(keys)} keys in one action; at most {MAX_HINT_KEYS}")
-        if kind == PREFETCH_ACTION:
-            return self.prefetch(
-                namespace, keys, float(action.get("deadline_seconds", 0.0)), _optional_float(action, "lease_seconds")
-            )
-        if kind == RETAIN_ACTION:
-            return self.retain(namespace, keys, action.get("priority"), action.get("ttl_seconds"))
-        if kind == PIN_ACTION:
+    def _apply(self, namespace: str, action: HintAction | Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(action, HintAction):
+            action = HintAction.from_wire(action)  # a ValueError naming what is wrong
+        keys = action.keys
+        if action.action == PREFETCH_ACTION:
+            return self._prefetch.prefetch(namespace, keys, action.deadline_seconds, action.lease_seconds)
+        if action.action == RETAIN_ACTION:
+            return self.retain(namespace, keys, action.priority, action.ttl_seconds)
+        if action.action == PIN_ACTION:
             return self.pin_chunks(namespace, keys)
-        if kind == UNPIN_ACTION:
+        if action.action == UNPIN_ACTION:
             return {"unpinned": self.unpin_chunks(namespace, keys)}
-        raise ValueError(f"unknown action {kind!r} (known: {', '.join(ACTIONS)})")
+        raise ValueError(f"unknown action {action.action!r} (known: {', '.join(ACTIONS)})")
 
     def _install_retention(self, namespace: str, pool: SlotPool | None = None) -> None:
-        """The namespace's pool (and the disk tier) evict retained chunks last, from its
+        """The namespace's pool (and the lower tiers) evict retained chunks last, from its
         first retention on (callers hold the lock)."""
-        pool = pool or self.arena.pools.get(namespace)
+        pool = pool or self._ctx.arena.pools.get(namespace)
         if pool is not None and not isinstance(pool.policy, RetentionOrder):
             pool.policy = RetentionOrder(pool.policy, pool.key_at, lambda key: self._retention.priority(namespace, key))
-        if self.disk is not None and self.disk.retention_of is None:
-            self.disk.retention_of = self._retention.priority
+        for tier in self._tiers:
+            tier.set_eviction_hints(retention_of=self._retention.priority)
 
-    def _hints_step(self, namespace: str, pool: SlotPool, used: list[bytes]) -> None:
-        """Each engine step (store_control.py): held chunks it used end their prefetch hold;
+    def step(self, namespace: str, pool: SlotPool, used: list[bytes]) -> None:
+        """Each engine step (control.py): held chunks it used end their prefetch hold;
         a pool made after its namespace's first retention gets the retention order."""
-        self._prefetch_used(namespace, pool, used)
+        self._prefetch.used(namespace, pool, used)
         if self._retention.has(namespace) and not isinstance(pool.policy, RetentionOrder):
             self._install_retention(namespace, pool)
 
-    def _forget_hints(self, namespace: str) -> None:
-        """A purge (purge.py): the namespace's chunks are gone, and so are its holds and retentions."""
-        self._prefetch_purged(namespace)
+    def forget(self, namespace: str) -> None:
+        """A purge (purges.py): the namespace's chunks are gone, and so are its holds and retentions."""
+        self._prefetch.purged(namespace)
         self._retention.forget_namespace(namespace)
-
-
-def _optional_float(action: Mapping[str, Any], name: str) -> float | None:
-    value = action.get(name)
-    return None if value is None else float(value)

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING
 from kvstrata.keys import namespace_of
 
 if TYPE_CHECKING:
-    from kvstrata.actors.store_state import StoreState
+    from kvstrata.store.context import StoreContext
 
-# The store's logger (store_state.py), named here: the engine's manager imports this module
+# The store's logger (context.py), named here: the engine's manager imports this module
 # for `public_epoch` and must not import the store's parts.
 logger = logging.getLogger("kvstrata.actors.node_store")
 
@@ -48,7 +48,7 @@ logger = logging.getLogger("kvstrata.actors.node_store")
 NON_CRYPTOGRAPHIC_HASHES = frozenset({"xxhash", "xxhash_cbor"})
 
 
-def check_registration(store: StoreState, namespace: str, layout: Mapping[str, object] | None) -> None:
+def check_registration(store: StoreContext, namespace: str, layout: Mapping[str, object] | None) -> None:
     """Refuse a registration whose layout does not belong to `namespace` (ValueError naming
     the namespace and the value at fault), before the store changes anything; callers hold
     the store lock. A registration without a layout claims nothing and passes. Logs one line
