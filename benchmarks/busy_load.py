@@ -19,7 +19,9 @@ its private names (a benchmark's licence; the product code carries no probes):
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +42,12 @@ def load() -> str:
     return f"load {one:.2f} / {five:.2f} / {fifteen:.2f}"
 
 
+def _die_with_parent() -> None:
+    """In the child, before it runs: the kernel kills it if the benchmark dies first
+    (PR_SET_PDEATHSIG), so no busy loop outlives a benchmark that was killed."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
 class BusyProcesses:
     """N busy processes of one kind, started on enter and stopped (by handle) on exit."""
 
@@ -51,7 +59,7 @@ class BusyProcesses:
 
     def __enter__(self) -> BusyProcesses:
         for _ in range(self.count):
-            self.processes.append(subprocess.Popen([sys.executable, "-c", BUSY_CODE[self.kind]]))
+            self.processes.append(subprocess.Popen([sys.executable, "-c", BUSY_CODE[self.kind]], preexec_fn=_die_with_parent))
         return self
 
     def __exit__(self, *exc: object) -> None:

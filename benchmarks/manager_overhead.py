@@ -202,6 +202,7 @@ def run_kvstrata(
     )
     store = ensure_node_store(config)  # a fresh store (and arena) per trace
     try:
+        ray.get(store.ping.remote(), timeout=300)  # started (a busy machine starts a worker slowly)
         client = CountingClient(RayStoreClient(store, 30))
         manager = StrataManager(client, layout, config, f"bench-{spec.name}")
         try:
