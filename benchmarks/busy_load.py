@@ -146,12 +146,12 @@ class Breakdown:
                 self.round_trips.append(manager._clock() - entry[3])
             receive(entry)
 
-        def timed_apply(request: Any, reply: Any, sent_at: float) -> None:
+        def timed_apply(request: Any, *rest: Any) -> None:
             received = self._received.pop(id(request), None)
             if received is not None:
                 where = "scheduler" if threading.current_thread() is self._scheduler else "control"
                 self.late[where].append(time.perf_counter() - received)
-            apply_reply(request, reply, sent_at)
+            apply_reply(request, *rest)
 
         def classified_answer(key: bytes, req_context: Any) -> Any:
             opening = not manager._pass_open
