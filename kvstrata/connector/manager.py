@@ -141,8 +141,11 @@ class StrataManager(PinsAndSlots):
 
     @override
     def has_pending_work(self) -> bool:
+        # Answers not applied yet are no reason to step: a waiting request is (its pin or
+        # a fresher view); the rest is applied at the next pass's start, and an idle engine
+        # would otherwise step at every heartbeat's answer.
         with self._lock:
-            return bool(self._pin_waiters or self._inbox or self._view_wanted)
+            return bool(self._pin_waiters or self._view_wanted)
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
