@@ -349,7 +349,15 @@ def main() -> None:
             requests = args.requests or (QUICK_REQUESTS[name] if args.quick else spec.requests)
             specs.append(sized(spec, requests))
     forward_s = args.forward_ms / 1000
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstrata-bench", log_to_driver=False)
+    for attempt in range(3):  # a loaded machine's raylet may miss Ray's 30 s start-up limit
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstrata-bench", log_to_driver=False)
+            break
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            ray.shutdown()
+            if attempt == 2:
+                raise
+            print(f"note: Ray did not start ({exc}); trying again ({load()})")
     try:
         with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
             busy = f"; {args.busy} busy process(es) ({args.busy_kind}) beside it" if args.busy else ""
