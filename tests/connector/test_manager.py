@@ -572,6 +572,7 @@ def test_replies_are_not_applied_between_a_hit_and_its_prepare_load(store_and_co
     pool.view(int(out.store_spec.block_ids[0]))[:] = 42
     writer.complete_store([key(1)], ctx("w"))
     step(writer)
+    step(writer)  # its commit answered, the writer's own pin goes
     reader = make_manager(store, cfg, holder="reader")
     reader.lookup(key(1), ctx())
     step(reader)
