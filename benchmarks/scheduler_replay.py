@@ -43,12 +43,26 @@ class Result:
     hit_chunks: int = 0
     stored_chunks: int = 0  # accepted by prepare_store
     manager_ns: int = 0
+    manager_cpu_ns: int | None = None  # the scheduler thread's CPU time in those calls (cpu_time=True)
+    request_ns: list[int] = field(default_factory=list)  # each finished request's manager time
+    waited_all: int = 0  # steps waited, summed over every scheduled request
+    scheduled: int = 0
     calls: tuple[int, int] | None = None  # node-store calls: (control thread, scheduler thread)
     awaiting_reuse: str = "n/a"
     notes: list[str] = field(default_factory=list)
 
     def us_per_request(self) -> float:
         return self.manager_ns / 1000 / max(1, self.requests)
+
+    def request_us(self, quantile: float) -> float | None:
+        """A quantile (0.5, 0.99) of a request's manager time, in us."""
+        if not self.request_ns:
+            return None
+        ordered = sorted(self.request_ns)
+        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))] / 1000
+
+    def waited_per_request(self) -> float | None:
+        return self.waited_all / self.scheduled if self.scheduled else None
 
     def waited(self, resident: bool) -> float | None:
         total, count = (self.waited_resident, self.resident) if resident else (self.waited_hit, self.hit_requests)
@@ -63,16 +77,24 @@ class _Request:
     resident: bool
     hits: int = 0
     stores: list[bytes] = field(default_factory=list)
+    ns: int = 0  # manager time spent on this request's calls (and its share of step ends)
 
 
 def replay(
-    manager, label: str, trace: list[list[bytes]], prefix_chunks: int, per_step: int, forward_s: float
+    manager,
+    label: str,
+    trace: list[list[bytes]],
+    prefix_chunks: int,
+    per_step: int,
+    forward_s: float,
+    cpu_time: bool = False,
 ) -> Result:
     """Drive `manager` through `trace` (each request's keys, its shared prefix's first).
 
     `per_step` new requests arrive each step; 0: one request in flight at a time (the
     next arrives the step after the previous one finished). Bounded by
-    `STEPS_PER_REQUEST_BOUND` steps per request.
+    `STEPS_PER_REQUEST_BOUND` steps per request. `cpu_time`: also count the scheduler
+    thread's CPU time inside manager calls (read outside the timed span).
     """
     from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 
@@ -81,13 +103,22 @@ def replay(
     clock = time.perf_counter_ns
     spent = 0
 
-    def call(fn, *args):
-        nonlocal spent
+    cpu_clock = time.thread_time_ns if cpu_time else None
+    cpu_spent = 0
+
+    def call(fn, *args, request=None):
+        nonlocal spent, cpu_spent
+        cpu_start = cpu_clock() if cpu_clock else 0
         start = clock()
         try:
             return fn(*args)
         finally:
-            spent += clock() - start
+            took = clock() - start
+            if cpu_clock:
+                cpu_spent += cpu_clock() - cpu_start
+            spent += took
+            if request is not None:
+                request.ns += took
 
     stored: set[bytes] = set()  # complete_store'd by this manager
     storing: set[bytes] = set()  # between prepare_store and complete_store
@@ -105,14 +136,14 @@ def replay(
                 set_position(key, (i + 1) * TOKENS_PER_CHUNK)
             resident = all(k in stored and k not in storing for k in keys[:prefix_chunks])
             waiting.append(_Request(ctx, keys, step, resident))
-            call(manager.on_new_request, ctx)
+            call(manager.on_new_request, ctx, request=waiting[-1])
             next_request += 1
 
         scheduled, still_waiting = [], []
         for request in waiting:
             hits, deferred = 0, False
             for key in request.keys:
-                answer = call(manager.lookup, key, request.ctx)
+                answer = call(manager.lookup, key, request.ctx, request=request)
                 if answer is HIT:
                     hits += 1
                 elif answer is HIT_PENDING:  # counted as vLLM does, but the request waits
@@ -126,8 +157,10 @@ def replay(
                 still_waiting.append(request)
                 continue
             request.hits = hits
+            result.scheduled += 1
+            result.waited_all += step - request.arrived
             if hits:
-                call(manager.prepare_load, request.keys[:hits], request.ctx)
+                call(manager.prepare_load, request.keys[:hits], request.ctx, request=request)
                 waited = step - request.arrived
                 result.hit_requests += 1
                 result.hit_chunks += hits
@@ -139,28 +172,35 @@ def replay(
         waiting = still_waiting
 
         ids = [request.ctx.req_id for request in scheduled]
+        before = spent
         call(manager.on_schedule_end, ScheduleEndContext(new_req_ids=ids, preempted_req_ids=()))
+        share = scheduled + waiting  # a step's end is shared by the requests it scanned
+        for request in share:
+            request.ns += (spent - before) // len(share)
         for request in scheduled:
             if request.hits < len(request.keys):
-                out = call(manager.prepare_store, request.keys[request.hits :], request.ctx)
+                out = call(manager.prepare_store, request.keys[request.hits :], request.ctx, request=request)
                 request.stores = list(out.keys_to_store) if out is not None else []
                 result.stored_chunks += len(request.stores)
                 storing.update(request.stores)
         for request in finishing:
-            call(manager.on_request_finished, request.ctx)
+            call(manager.on_request_finished, request.ctx, request=request)
+            result.request_ns.append(request.ns)
         result.requests += len(finishing)
 
         time.sleep(forward_s)  # the forward pass
         for request in scheduled:
             if request.hits:
-                call(manager.complete_load, request.keys[: request.hits], request.ctx)
+                call(manager.complete_load, request.keys[: request.hits], request.ctx, request=request)
             if request.stores:
-                call(manager.complete_store, request.stores, request.ctx)
+                call(manager.complete_store, request.stores, request.ctx, request=request)
                 storing.difference_update(request.stores)
                 stored.update(request.stores)
         finishing = scheduled
         step += 1
     result.steps, result.manager_ns = step, spent
+    if cpu_time:
+        result.manager_cpu_ns = cpu_spent
     result.unfinished = len(trace) - result.requests
     if result.unfinished:
         result.notes.append(f"stopped at {max_steps} steps with {result.unfinished} requests unfinished")
@@ -227,5 +267,8 @@ class CountingClient:
     def round_trip_ms(self) -> str:
         if len(self.round_trips) < 2:
             return "n/a"
-        deciles = statistics.quantiles(self.round_trips, n=10)
-        return f"median {statistics.median(self.round_trips) * 1e3:.2f} ms, p90 {deciles[-1] * 1e3:.2f} ms"
+        centiles = statistics.quantiles(self.round_trips, n=100)
+        return (
+            f"p50 {statistics.median(self.round_trips) * 1e3:.2f} ms, p90 {centiles[89] * 1e3:.2f} ms, "
+            f"p99 {centiles[98] * 1e3:.2f} ms ({len(self.round_trips)} calls)"
+        )

@@ -247,7 +247,8 @@ class EngineConfig(_Strict):
         default=0.1,
         ge=0,
         description="a lookup answers MISS only from a view of the node store taken at most this long "
-        "before its request arrived; an older view makes it RETRY while a fresh one is fetched "
+        "before its request arrived, or two of the store's usual round trips where those are longer (a busy "
+        "machine); an older view makes it RETRY while a fresh one is fetched "
         "(0: chunks that reached any tier before the request arrived are always found)",
     )
     lookup_wait_seconds: float = Field(

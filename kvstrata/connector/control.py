@@ -146,7 +146,7 @@ class ControlChannel:
                 self._in_flight = True
             # The store answers with its state as of some time after this: callbacks get
             # it so the manager knows how fresh its view is. (A heartbeat is built outside
-            # the condition: it takes the manager's lock.)
+            # the condition; it takes none of the scheduler's locks, #49.)
             now = self._clock()
             with self._cond:
                 request = self._outbox.take(now)

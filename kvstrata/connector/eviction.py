@@ -9,8 +9,9 @@ the chunks no request or load holds (`_release_idle_pins`).
 Writes: `_req_used` (entries added), `_to_touch` (appended), `_pinned` (idle pins
 removed), `_maybe_idle` (emptied), `_out_unpin` (appended: one unpin per pin the store
 holds for a local pin, `Pin.grants`). Invariants: rule 1 -- a pin
-some request still holds, or with a load in flight, is never released; every pin that
-loses its last holder is in `_maybe_idle` by the next step; a pin of an older store
+some request still holds, or with a load in flight, is never released; nor one whose
+commit is not answered yet (`Pin.indexing`: released once the mirror has its slot); every
+pin that loses its last holder is in `_maybe_idle` by the next step; a pin of an older store
 epoch is forgotten, never unpinned (its slot means nothing to the new store); only
 chunks the mirror says are resident are touched. Called under the manager's lock, on
 the scheduler's thread only; must not call the store (rule 2: the touches and unpins go
@@ -64,8 +65,8 @@ class EvictionOrder(ManagerState):
         candidates, self._maybe_idle = self._maybe_idle, {}
         for key in candidates:
             pin = self._pinned.get(key)
-            if pin is None or pin.requests or pin.loads:
-                continue
+            if pin is None or pin.requests or pin.loads or pin.indexing:
+                continue  # (an indexing pin comes back here when its commit is answered: inbox.py)
             del self._pinned[key]
             if not pin.recorded:
                 self._to_hold.remove((key, pin.slot))  # never sent: nothing to undo for it

@@ -1,37 +1,49 @@
 """The store's replies: recorded on the control thread, applied on the scheduler's.
 
 The control thread calls `_receive_reply` / `_receive_failure` with each answer to a
-step request; they append to `_inbox` (and, when the store restarted or this engine's
-lease ran out, register again first: a blocking call, but on the control thread).
-`_drain_inbox` applies what arrived at safe points: on the control thread itself when
-no scheduling pass is open, else at the first lookup of the next pass, completion
-callbacks and the end of a step; never between a `lookup` that said HIT and the
-`prepare_load` that follows it in one pass.
+step request; they append to `_inbox` under `_handoff`, a lock held only for that
+(and, when the store restarted or this engine's lease ran out, register again first: a
+blocking call, but on the control thread). The control thread never takes `_lock`, the
+lock the scheduler's calls take (#49: on a busy machine a control thread that held it
+to apply a reply, then waited for the GIL or the CPU, stalled the scheduler's lookups).
+The scheduler thread applies what arrived at safe points: the first lookup of a pass
+(`_open_pass`), completion callbacks and the end of a step (`_drain_inbox`); never
+between a `lookup` that said HIT and the `prepare_load` that follows it in one pass.
 
 Applying writes the mirror and its freshness (`_mirror`, `_resident`, `_view_as_of`,
 `_seq`), how long this engine can prove its lease (`_trusted_until`), what the store
 granted or refused (`_stock`, `_reserve_*`, `_pinned`, `_pin_waiters`, `_promoted`,
 `_to_pin`, `_to_hold`, `_req_keys`), operations to send again (`_out_unpin`), events,
-counters, and after a restart the epoch and geometry.
+counters, and after a restart the epoch and geometry. Receiving writes only `_inbox`,
+`_recv_seq` and `_pass_seq` (under `_handoff`, with `_pass_open`).
 
 Invariants: a reply to a request of an older epoch changes nothing but counters; a
 failed call changes nothing but counters (the channel sends the same request again, and
 the store applies a request once: protocol.py); a store restart or a lost lease drops
 every pin but those with a load in flight (rule 1) and every slot and queued operation
-of the old epoch; the control thread holds `_lock` only to append and apply (rule 2:
-the scheduler never waits on the store, the control thread never waits long for the
-scheduler). Must not send requests: what the replies ask for goes out with the next step.
+of the old epoch; deferred slot reuse: no request acknowledges a view newer than the one
+the engine's HITs are answered from, unless no pass is open and that view is in the
+inbox (the next pass applies it before its first HIT); rule 2: the scheduler never waits
+on the store, nor on the control thread beyond a `_handoff` list swap. Must not send
+requests: what the replies ask for goes out with the next step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 from kvstrata.protocol import Registration, StepReply, StepRequest
 from kvstrata.store.registration_check import public_epoch
 from kvstrata.connector.compat import make_event
-from kvstrata.connector.manager_state import SILENCE_FLOOR_SECONDS, SILENCE_ROUND_TRIPS, ManagerState, Pin
+from kvstrata.connector.manager_state import (
+    SILENCE_FLOOR_SECONDS,
+    SILENCE_ROUND_TRIPS,
+    VIEW_AGE_ROUND_TRIPS,
+    ManagerState,
+    Pin,
+)
 from kvstrata.tiers.changelog import CPU, OBJECT, PEER, STORAGE
 
 MISSED_PRUNE_AT = 4096  # recent misses kept before the expired ones are dropped
@@ -54,7 +66,7 @@ class ReplyInbox(ManagerState):
         self._mirror = {}
         self._apply_changes(registration.changes, registration.slots, snapshot=True, emit=False)
 
-    # Called on the control thread.
+    # Called on the control thread: it takes `_handoff`, never `_lock`.
     def _receive_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> bool:
         """Record the store's answer; False if it cannot be used yet (registering again
         failed): the channel sends the same request again, and its answer brings us here."""
@@ -77,13 +89,13 @@ class ReplyInbox(ManagerState):
                 self.holder,
                 public_epoch(registration.epoch),  # the holder's token stays out of logs
             )
-            self._receive(("reset", request, registration, sent_at))
+            self._receive(("reset", request, registration, sent_at, 0.0))
             return True
-        self._receive(("reply", request, reply, sent_at))
+        self._receive(("reply", request, reply, sent_at, self._clock() - sent_at))
         return True
 
     def _receive_failure(self, request: StepRequest, exc: Exception, sent_at: float) -> None:
-        self._receive(("failure", request, exc, sent_at))
+        self._receive(("failure", request, exc, sent_at, 0.0))
 
     def _pin_for_waiters(self, key: bytes, slot: int, recorded: bool = True, hit_by: str | None = None) -> Pin:
         """A new local pin of `key` at `slot` for the requests that waited on it, with the
@@ -122,27 +134,70 @@ class ReplyInbox(ManagerState):
                 pin.grants += 1
         return holds
 
-    def _receive(self, entry: tuple[str, StepRequest, Any, float]) -> None:
-        """Record an answer; apply it at once when no scheduling pass is open.
+    def _receive(self, entry: tuple[str, StepRequest, Any, float, float]) -> None:
+        """Record an answer for the scheduler thread to apply (#49: the control thread
+        never takes the scheduler's lock, so a control thread slowed by a busy machine --
+        waiting for the GIL, preempted mid-apply -- cannot stall a lookup).
 
-        Between passes no lookup's HIT awaits its prepare_load, so applying is as safe here
-        as in a completion callback, and an idle engine's view (and the sequence it
-        acknowledges, which lets the store reuse slots) keeps up with the store.
+        It also notes the newest view received (`_recv_seq`): an idle engine's heartbeat
+        acknowledges it (`_heartbeat_seq`) although nothing applied it yet, because the
+        scheduler applies every entry received before its next pass opens, before that
+        pass's first HIT (`_open_pass`). Consecutive answers to heartbeats are folded into
+        one (`merge_idle_replies`): an engine idle for hours keeps one entry, not 5 a second.
         """
-        with self._lock:
-            self._inbox.append(entry)
-            if not self._pass_open:
-                self._drain_inbox()
+        kind, request, payload = entry[0], entry[1], entry[2]
+        with self._handoff:
+            if kind == "reset":
+                self._recv_seq = self._pass_seq = payload.seq  # a new store's log
+            elif kind == "reply" and request.epoch == self._thread_epoch:
+                self._recv_seq = max(self._recv_seq, payload.seq)
+            last = self._inbox[-1] if self._inbox else None
+            merged = merge_idle_replies(last, entry) if last is not None else None
+            if merged is not None:
+                self._inbox[-1] = merged
+            else:
+                self._inbox.append(entry)
+
+    def _take_inbox(self, open_pass: bool = False) -> deque[tuple[str, StepRequest, Any, float, float]]:
+        """Everything received so far (scheduler thread); `open_pass`: and open a
+        scheduling pass in the same breath, so a heartbeat acknowledges no view newer than
+        what this pass answers from (`_pass_seq`)."""
+        with self._handoff:
+            entries, self._inbox = self._inbox, deque()
+            if open_pass:
+                self._pass_open = True
+                self._pass_seq = self._recv_seq
+        return entries
+
+    def _close_pass(self) -> None:
+        with self._handoff:
+            self._pass_open = False
+
+    def _open_pass(self) -> None:
+        """The first lookup of a scheduling pass: apply what arrived (replies that came
+        during the forward pass turn this pass's RETRYs into HITs). Under `_lock`."""
+        self._apply_entries(self._take_inbox(open_pass=True))
 
     def _drain_inbox(self) -> None:
-        while self._inbox:
-            kind, request, payload, sent_at = self._inbox.popleft()
+        """Apply what arrived, at a safe point of the scheduler thread (under `_lock`)."""
+        if self._inbox:
+            self._apply_entries(self._take_inbox())
+
+    def _apply_entries(self, entries: deque[tuple[str, StepRequest, Any, float, float]]) -> None:
+        for kind, request, payload, sent_at, round_trip in entries:
             if kind == "reply":
-                self._apply_reply(request, payload, sent_at)
+                self._apply_reply(request, payload, sent_at, round_trip)
             elif kind == "failure":
                 self._apply_failure(request, sent_at)
             else:
                 self._apply_reset(payload, sent_at)
+
+    def _heartbeat_seq(self) -> int:
+        """The view a heartbeat acknowledges (control thread): between passes, the newest
+        received (the next pass applies it before its first HIT); during a pass, the one
+        the pass opened with (its HITs' holds go out with the step's request, after this)."""
+        with self._handoff:
+            return self._pass_seq if self._pass_open else self._recv_seq
 
     def _measure_round_trip(self, seconds: float) -> None:
         """How long the store takes to answer, as a waiting request sees it: the median of
@@ -150,15 +205,17 @@ class ReplyInbox(ManagerState):
         self._round_trips.append(seconds)
         usual = sorted(self._round_trips)[len(self._round_trips) // 2]
         self._silence_seconds = max(SILENCE_FLOOR_SECONDS, SILENCE_ROUND_TRIPS * usual)
+        if self._configured_view_age > 0:  # (0: every chunk stored before a request arrived is found)
+            self._max_view_age = max(self._configured_view_age, VIEW_AGE_ROUND_TRIPS * usual)
 
-    def _apply_reply(self, request: StepRequest, reply: StepReply, sent_at: float) -> None:
+    def _apply_reply(self, request: StepRequest, reply: StepReply, sent_at: float, round_trip: float) -> None:
         if request.epoch != self._epoch:
             return
         # The store renewed this engine's lease after `sent_at`: it cannot end before
         # `sent_at` plus a lease; HITs from local state stop at half of it (pins.py).
         self._trusted_until = max(self._trusted_until, sent_at + self._half_lease)
         self._answered_step = self._steps
-        self._measure_round_trip(self._clock() - sent_at)
+        self._measure_round_trip(round_trip)  # (measured when it arrived, not when applied)
         if reply.indexed:
             self._view_as_of = max(self._view_as_of, sent_at)
         self._reserve_outstanding -= request.reserve
@@ -195,6 +252,11 @@ class ReplyInbox(ManagerState):
                 self._promoted.setdefault(key, next((m for m in (STORAGE, PEER) if m in media), OBJECT))
         self._apply_changes(reply.changes, reply.slots, reply.snapshot, emit=True)
         self._seq = reply.seq
+        for slot, key in request.commit:  # answered: the mirror has their slots now (or never will)
+            pin = self._pinned.get(key)
+            if pin is not None and pin.indexing and pin.slot == slot:
+                pin.indexing = False
+                self._maybe_idle[key] = None
         refused = sum(reason.startswith("cannot hold") for reason in reply.rejected)
         if refused:
             self._counters["holds_refused"] += refused
@@ -286,4 +348,43 @@ class ReplyInbox(ManagerState):
             del self._pinned[key]
         for pin in self._pinned.values():
             pin.recorded = True  # of the old epoch: nothing to send, nothing to unpin
+            pin.indexing = False  # ... nor a commit to wait for
         self._adopt(registration, as_of)
+
+
+def merge_idle_replies(
+    first: tuple[str, StepRequest, Any, float, float], second: tuple[str, StepRequest, Any, float, float]
+) -> tuple[str, StepRequest, Any, float, float] | None:
+    """Two consecutive answers to heartbeats (requests with nothing but an acknowledgement,
+    answers with nothing but the index's changes) as one, or None if they are not both.
+
+    Applying the result is applying both in order: the later answer's sequence, lease proof
+    and view time, and the changes of both, the later one's winning per (key, tier); a
+    snapshot starts over (the first's changes before a later snapshot are dropped)."""
+    if first[0] != "reply" or second[0] != "reply":
+        return None
+    (_, req1, rep1, _, _), (_, req2, rep2, sent2, trip2) = first, second
+    for request, reply in ((req1, rep1), (req2, rep2)):
+        if not request.is_empty() or reply.stale or reply.pinned or reply.missing or reply.pending:
+            return None
+        if reply.reserved or reply.rejected:
+            return None
+    if req1.epoch != req2.epoch or req1.resets != req2.resets or rep1.epoch != rep2.epoch:
+        return None
+    if rep2.snapshot:
+        return second
+    latest: dict[tuple[bytes, str], bool] = {}
+    for key, medium, present in (*rep1.changes, *rep2.changes):
+        latest.pop((key, medium), None)  # (re-inserted: the order of the last change)
+        latest[(key, medium)] = present
+    merged = StepReply(
+        epoch=rep2.epoch,
+        seq=rep2.seq,
+        reserve_cap=rep2.reserve_cap or rep1.reserve_cap,
+        changes=[(key, medium, present) for (key, medium), present in latest.items()],
+        slots={**rep1.slots, **rep2.slots},
+        snapshot=rep1.snapshot,
+        indexed=rep2.indexed,
+        costs=rep2.costs or rep1.costs,
+    )
+    return ("reply", req2, merged, sent2, trip2)

@@ -88,6 +88,7 @@ class StrataManager(PinsAndSlots):
         registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe(), True, "", self._nonce)
         self._thread_epoch = registration.epoch
         self._adopt(registration, asked)
+        self._recv_seq = self._pass_seq = registration.seq
         logger.info(
             "kvstrata manager %s: namespace %s, slot %d bytes, %d chunks already resident on node %s",
             holder,
@@ -125,7 +126,6 @@ class StrataManager(PinsAndSlots):
             if dropped:
                 # The stock ran dry this step: keep enough for a step like this one.
                 self._reserve_target = min(self._reserve_cap, max(2 * self._reserve_target, demand))
-            self._pass_open = False
             self._steps += 1
             now = self._clock()
             self._recompute_rate.step_ended(now)
@@ -135,11 +135,17 @@ class StrataManager(PinsAndSlots):
             # the channel merges requests while one is in flight.
             if not request.is_empty() or self._view_wanted or now - self._last_submit >= self._refresh_s:
                 self._submit(request)
+            # Only now, with the pass's holds queued: a heartbeat from here acknowledges the
+            # newest view received, and goes out with or after them (inbox.py).
+            self._close_pass()
 
     @override
     def has_pending_work(self) -> bool:
+        # Answers not applied yet are no reason to step: a waiting request is (its pin or
+        # a fresher view); the rest is applied at the next pass's start, and an idle engine
+        # would otherwise step at every heartbeat's answer.
         with self._lock:
-            return bool(self._pin_waiters or self._inbox or self._view_wanted)
+            return bool(self._pin_waiters or self._view_wanted)
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -214,11 +220,13 @@ class StrataManager(PinsAndSlots):
         return request
 
     def _heartbeat_request(self) -> StepRequest:
-        with self._lock:
-            return StepRequest(
-                holder=self.holder, namespace=self.namespace, epoch=self._epoch, known_seq=self._seq,
-                hold=self._take_holds(), resets=self._resets,
-            )  # fmt: skip
+        """Built on the control thread, without `_lock` (#49): it renews the lease and
+        acknowledges a view (`_heartbeat_seq`); it carries no holds (a pass's holds go out
+        with its step's request, and no heartbeat acknowledges past them meanwhile)."""
+        return StepRequest(
+            holder=self.holder, namespace=self.namespace, epoch=self._thread_epoch,
+            known_seq=self._heartbeat_seq(), resets=self._resets,
+        )  # fmt: skip
 
 
     def _submit(self, request: StepRequest) -> None:

@@ -30,10 +30,13 @@ Invariants every writer keeps:
   keeps its slots for at least half a lease;
 - rule 2: no blocking call on the scheduling path. Nothing done under `_lock` waits for
   the store: requests go out through the control thread, replies come back into
-  `_inbox` and are applied only at safe points (`_drain_inbox`);
+  `_inbox` and are applied only at safe points, on the scheduler thread (`_drain_inbox`);
+  the control thread never takes `_lock` (#49), only `_handoff`, for list swaps;
 - every field is read and written under `_lock`, but for `_thread_epoch` (the control
-  thread's alone), the thread-safe `_client` and `_channel`, and what is fixed at
-  construction (`holder`, `layout`, `namespace`, `_clock`, the config values).
+  thread's alone), `_inbox`, `_recv_seq`, `_pass_seq` and `_pass_open` (under `_handoff`;
+  `_pass_open` written under both), `_resets` (an int the heartbeat reads), the
+  thread-safe `_client` and `_channel`, and what is fixed at construction (`holder`,
+  `layout`, `namespace`, `_clock`, the config values).
 
 This module holds data only: it must not call the store, vLLM or another module's code.
 """
@@ -64,6 +67,12 @@ MAX_RESERVE_TARGET = 4096
 SILENCE_ROUND_TRIPS = 8
 SILENCE_FLOOR_SECONDS = 0.05
 ROUND_TRIP_SAMPLES = 16
+# A view of the store is fresh enough for a MISS if taken at most `max_view_age_seconds`
+# before the request arrived, or this many of the store's usual round trips (#49): an
+# engine that steps asks every round trip, so its view is up to about two round trips old,
+# and a busy machine (round trips of 0.1-1 s measured) made every request wait one for
+# nothing more than chunks other engines stored in the last round trip.
+VIEW_AGE_ROUND_TRIPS = 2
 
 
 @dataclass(slots=True)
@@ -81,6 +90,11 @@ class Pin:
     # Pins of the slot the store holds (or will: requests in flight) for this pin: one per
     # hold sent, pin granted, commit; released with one unpin each (the store counts them).
     grants: int = 1
+    # A chunk this engine stored whose commit has not been answered yet: kept (not idle)
+    # until the answer is applied, so the mirror knows its slot before the pin goes and
+    # the next request finds it with no round trip (#49: on a busy machine, the answer
+    # came a step or more after the request that stored it had finished).
+    indexing: bool = False
 
 
 @dataclass(slots=True)
@@ -116,6 +130,9 @@ class ManagerState:
         self.namespace = layout.namespace
         self.holder = holder
         self._lock = threading.RLock()
+        # The control thread's only lock on this state: held for a list swap or a flag,
+        # never while applying or calling anything (inbox.py).
+        self._handoff = threading.Lock()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._reported: dict[str, int] = {}  # empty: the first report sends every counter, zeros too
@@ -168,13 +185,18 @@ class ManagerState:
         self._purge_requested = False
         self._store_demand = 0
         self._store_dropped = 0
-        # (kind, request, reply | failure | registration, sent_at), appended by the control thread
-        self._inbox: deque[tuple[str, StepRequest, Any, float]] = deque()
+        # (kind, request, reply | failure | registration, sent_at, round trip), appended by the control thread
+        self._inbox: deque[tuple[str, StepRequest, Any, float, float]] = deque()
         self._pass_open = False
+        # The newest view received (the control thread's; set at registration), and the one
+        # the open pass answers from: what a heartbeat acknowledges between / during passes.
+        self._recv_seq = 0
+        self._pass_seq = 0
         self._refresh_s = config.engine.refresh_seconds
         self._last_submit = 0.0
         self._clock = clock
-        self._max_view_age = config.engine.max_view_age_seconds
+        self._max_view_age = config.engine.max_view_age_seconds  # stretched to VIEW_AGE_ROUND_TRIPS (inbox.py)
+        self._configured_view_age = self._max_view_age
         self._lookup_wait = config.engine.lookup_wait_seconds
         self._arrived: dict[str, float] = {}  # request -> its first lookup since its last load
         self._view_wanted = False  # a lookup waits for a view newer than the mirror

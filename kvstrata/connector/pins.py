@@ -108,8 +108,7 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
         if not self._pass_open:
             # First lookup of a scheduling pass: replies that arrived during the
             # forward pass turn this pass's RETRYs into HITs. (Rule 3, once per pass.)
-            self._pass_open = True
-            self._drain_inbox()
+            self._open_pass()
             self._trusted = self._clock() < self._trusted_until
         req_id = req_context.req_id
         arrived = self._arrived.get(req_id)
@@ -297,9 +296,9 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
                         # the other slot's pin for the engine's lifetime).
                         self._out_unpin.append(slot)
                     else:
-                        # The store keeps the writer's pin at commit; we hold it until idle.
-                        self._pinned[key] = Pin(slot, self._epoch)
-                        self._maybe_idle[key] = None
+                        # The store keeps the writer's pin at commit; we hold it until idle
+                        # and the commit's answer gave the mirror its slot (`indexing`).
+                        self._pinned[key] = Pin(slot, self._epoch, indexing=True)
                     media = self._mirror.setdefault(key, set())
                     if CPU not in media:
                         media.add(CPU)

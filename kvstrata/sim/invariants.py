@@ -96,7 +96,7 @@ def known_slots(world: World, engine: SimEngine) -> set[int]:
     slots.update(slot for _, slot in m._to_hold)
     slots.update(slot for slot, _ in m._out_commit)
     slots.update(pin.slot for pin in m._pinned.values() if pin.epoch == m._epoch)
-    for _, request, payload, _ in m._inbox:
+    for _, request, payload, *_ in m._inbox:
         slots.update(_request_slots(request))
         slots.update(getattr(payload, "reserved", ()) or ())
         slots.update((getattr(payload, "pinned", None) or {}).values())

@@ -215,6 +215,7 @@ def test_an_unusable_disk_path_leaves_the_arena_serving(env, tmp_path):
     assert "not a writable directory" in store.stats()["disk"]["error"]
     manager = make_manager(store, cfg)
     data = store_chunks(store, manager, [key(1)])
+    step(manager)  # its commit answered, the writer's own pin goes: the next HIT is the mirror's
     calls = manager._channel.calls
     assert manager.lookup(key(1), ctx()) is HIT  # the arena serves on its own, with no store call
     spec = manager.prepare_load([key(1)], ctx())

@@ -194,7 +194,8 @@ def test_another_engine_hits_at_once_with_the_same_bytes_and_no_store_call(store
     payload = np.arange(SLOT, dtype=np.uint64).astype(np.uint8)
     pool.view(int(out.store_spec.block_ids[0]))[:] = payload
     writer.complete_store([key(1)], ctx())
-    step(writer)
+    step(writer)  # the commit goes out; its answer gives the writer's mirror the slot
+    step(writer)  # ... so the writer's own pin goes
 
     reader = make_manager(store, cfg, holder="reader")
     calls = reader._channel.calls
@@ -571,6 +572,7 @@ def test_replies_are_not_applied_between_a_hit_and_its_prepare_load(store_and_co
     pool.view(int(out.store_spec.block_ids[0]))[:] = 42
     writer.complete_store([key(1)], ctx("w"))
     step(writer)
+    step(writer)  # its commit answered, the writer's own pin goes
     reader = make_manager(store, cfg, holder="reader")
     reader.lookup(key(1), ctx())
     step(reader)

@@ -187,6 +187,8 @@ class HybridRunner:
         for _ in range(3):  # let the last stores complete and reach the store
             self.step()
         assert self.manager.wait_idle(10)
+        self.step()  # the pins of stored chunks go once their commits were answered (#49) ...
+        assert self.manager.wait_idle(10)  # ... and the store has their unpins
         return request
 
     def step(self) -> None:
