@@ -379,10 +379,10 @@ class Matrix:
             found, _, arrays = ray.get(self.store.export_chunks.remote(namespace, keys), timeout=60)
             if len(found) != len(keys):
                 return f"{len(keys) - len(found)} chunks could not be exported"
-            layout = ray.get(self.store.stats.remote())["layouts"].get(namespace)
             os.environ["KVSTRATA_NODE_ID"] = self.peer
             try:
-                probe = ChunkProbe(f"exactness-{namespace[:8]}", namespace, int(arrays[0].nbytes), layout)
+                # No layout: the peer store takes the namespace as named (the head's engine registered it).
+                probe = ChunkProbe(f"exactness-{namespace[:8]}", namespace, int(arrays[0].nbytes), None)
             finally:
                 os.environ["KVSTRATA_NODE_ID"] = self.head
             try:
