@@ -63,12 +63,12 @@ def prompt_tokens(length: str) -> tuple[int, int | None]:
 
 
 def expected_hit(length: str) -> int:
-    """Tokens a full hit serves: whole chunks before the last prompt token (vLLM always
-    computes that one), within the prompt computed first."""
+    """Tokens a full hit serves: the whole chunks of the prompt computed first. A prompt
+    that ends exactly on a chunk boundary is a hit of the whole prompt: vLLM 0.32 loads
+    it all and recomputes the last token over its loaded KV (`scheduler.py`,
+    `num_computed_tokens == num_tokens` -> `num_tokens - 1`)."""
     served, computed = prompt_tokens(length)
-    limit = min(served, computed or served)
-    hit = (served - 1) // CHUNK * CHUNK
-    return min(hit, limit // CHUNK * CHUNK)
+    return min(served, computed or served) // CHUNK * CHUNK
 
 
 # Why a value pair never runs; cells with one are not applicable (and not counted).
