@@ -187,7 +187,9 @@ class Matrix:
         config: dict[str, Any] = {
             "tiers": tiers,
             # No tolerated view age: the harness moves chunks between tiers behind the engine's back.
-            "engine": {"reserve_slots": 8, "max_view_age_seconds": 0, "control_timeout_seconds": 30},
+            # A request waits up to 30 s for a promotion (default 2 s): on two shared cores a
+            # peer or bucket promotion took longer, and the hit became a (correct) miss.
+            "engine": {"reserve_slots": 8, "max_view_age_seconds": 0, "control_timeout_seconds": 30, "lookup_wait_seconds": 30},
             "admission": {"load": "always"},  # the tiny model recomputes faster than any tier loads
         }
         if self.need_peer:
