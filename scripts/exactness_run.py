@@ -258,7 +258,10 @@ class Matrix:
         from vllm import SamplingParams
 
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, logprobs=1, prompt_logprobs=1, ignore_eos=True, detokenize=False,
+            # No prompt logprobs under LoRA: vLLM 0.32's CPU LoRA logits (punica_cpu.add_lora_logits)
+            # crash the engine on the prompt logprobs of a hit (einsum size mismatch).
+            max_tokens=max_tokens, temperature=0.0, logprobs=1, prompt_logprobs=None if lora else 1,
+            ignore_eos=True, detokenize=False,
             skip_reading_prefix_cache=False,  # vLLM skips every cache for prompt logprobs unless told not to
         )  # fmt: skip
         inputs = [{"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})} for ids in prompts]
