@@ -252,6 +252,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        if not hasattr(self, "_engine_caches"):  # before initialize_state: nothing of ours yet
+            return
         live = {r.replica_id for r in replicas}
         self._backlog.forget(live)
         self._engine_caches.forget(live)
