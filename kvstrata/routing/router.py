@@ -126,8 +126,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             tokenizer from (default: `model`). load_factor: past its free batch slots, a
             replica may hold at most this times the mean requests in flight (+1).
             batch_slots: requests an engine runs at once (its `max_num_seqs`): a replica
-            with fewer in flight is never excluded by the bound. margin: estimates within this
-            fraction of the best count as equal, and the replica whose node holds more
+            with fewer in flight is never excluded by the bound. margin: estimates within
+            this fraction of the best count as equal, and the replica whose node holds more
             of the prefix wins among them. decision_timeout_s: the whole
             look-up's budget; lookup_timeout_s: the directory call's. refresh_seconds:
             how often node figures are read (0: never; `set_figures` gives them). default_prefill_tokens_per_second: until an
@@ -139,8 +139,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             long a prompt unused since counts as in the engine's own cache.
             engine_cache_tokens: the engine's own prefix cache size in tokens (vLLM logs
             "GPU KV cache size: N tokens"; None: bounded by `recent_seconds` only).
-            seed: unused (ties go in rendezvous order); kept for configs that set it. prefetch: ask the chosen node's store to bring the prompt's
-            covered chunks into its arena while the request is on its way (prefetch.py);
+            seed: unused (ties go in rendezvous order); kept for configs that set it.
+            prefetch: ask the chosen node's store to bring the prompt's covered chunks into its arena while the request is on its way (prefetch.py);
             prefetch_lease_s: how long they are held past the expected first lookup
             (None: the store's `prefetch.lease_seconds`). clock: monotonic seconds (tests).
         """

@@ -1,9 +1,10 @@
 """`admission.load: break_even` behind the manager: a prefix split across the arena and a
 slow tier loads its arena part and recomputes the rest -- whole chunks, in prefix order,
-and no group beyond its anchor -- while a fast tier or `always` loads everything; a tier never measured or already queued past the break-even is recomputed
-at once (probed in the background when unmeasured), and a request that waited
-lookup_wait_seconds and recomputed anyway is counted. In-process node store with a disk
-tier whose measured speed the test sets."""
+and no group beyond its anchor -- while a fast tier or `always` loads everything; a tier
+never measured or already queued past the break-even is recomputed at once (probed in
+the background when unmeasured), and a request that waited lookup_wait_seconds and
+recomputed anyway is counted. In-process node store with a disk tier whose measured
+speed the test sets."""
 
 from __future__ import annotations
 

@@ -68,8 +68,9 @@ def test_the_second_turn_goes_to_the_first_turns_node_after_a_readiness_probe(mo
     async def run():
         made = TierAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
         made.initialize_state(
-            model="m", refresh_seconds=3600, ledger=False, prefetch=False, clock=clock, decision_timeout_s=60, lookup_timeout_s=60
-        )  # not what is tested here: a loaded machine must not turn a decision into a fallback
+            model="m", refresh_seconds=3600, ledger=False, prefetch=False, clock=clock,
+            decision_timeout_s=60, lookup_timeout_s=60,  # not tested here: a busy machine must not force a fallback
+        )  # fmt: skip
         made.update_replicas([Replica("r-a", "node-a"), Replica("r-b", "node-b")])
         await settle()
         probe = await route(made, 0, PROBE, 0.2)  # Serve LLM's readiness check, as the app comes up
