@@ -153,7 +153,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
         ray.remote(SlowStore).options(**node_store_options(node)).remote(
             stash_secrets(config), node, (0.005, 3 * break_even), (0.0005, args.disk_x * break_even)
         )
-    kwargs = {"model": str(model), "refresh_seconds": 2.0, "ledger": False, "prefetch": mode != "off"}
+    kwargs = {"model": str(model), "refresh_seconds": 2.0, "ledger": False, "prefetch": mode != "off",
+              "batch_slots": args.max_num_seqs, "engine_cache_tokens": 100 * 32}  # as `engine` below sets them  # fmt: skip
     router = {"request_router_class": "kvstrata.routing:TierAwareRouter", "request_router_kwargs": kwargs}
     engine = {"max_model_len": 2048, "num_gpu_blocks_override": 100, "max_num_seqs": args.max_num_seqs}
     rng = random.Random(11)

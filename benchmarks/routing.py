@@ -199,7 +199,10 @@ def run_router(name: str, args: argparse.Namespace, model: Path, nodes: list[str
         )
     kwargs: dict[str, Any] = {"ledger_flush_seconds": 0.5}
     if name == "tier_aware":
-        kwargs |= {"model": str(model), "refresh_seconds": args.refresh_seconds}
+        # What it cannot see otherwise: the engines' batch slots and their own cache's size
+        # (100 blocks of vLLM's 32 tokens, as `engine` below sets them).
+        kwargs |= {"model": str(model), "refresh_seconds": args.refresh_seconds, "batch_slots": 2,
+                   "engine_cache_tokens": 100 * 32}  # fmt: skip
     router = {"request_router_class": ROUTERS[name], "request_router_kwargs": kwargs}
     # vLLM's own cache: room for the two requests a replica runs at once, no more.
     engine = {"max_model_len": 2048, "num_gpu_blocks_override": 100, "max_num_seqs": 2}

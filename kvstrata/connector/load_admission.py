@@ -19,12 +19,22 @@ once per request, so a RETRY pass cannot change it half way.
 
 What it needs of vLLM: the positions of the request's chunks (`ReqContext` records them
 for every key from 0.32 on, before any lookup). Without them, or before a recompute rate
-is configured or measured, or before a tier has an estimate, everything loads (loading
-is what measures a tier). An estimate older than `stale_seconds` that still says
-recompute is followed, and the request's chunks in that tier are promoted in the
-background (`take_probes`, at most once per tier per `stale_seconds`): that measures the
-tier again without making a request wait on it. One that says load is loaded (which
-measures it too). Invariants: a cut only moves MISSes earlier, never turns a MISS into a HIT; a
+is configured or measured, everything loads.
+
+No wait on an unmeasured or saturated tier (#48): a request whose rest would come from a
+tier this engine has no estimate for recomputes it at once, and its chunks there are
+promoted in the background (`take_probes`, at most once per tier per second until the
+store has an estimate), which measures the tier with no request waiting on it. Waiting instead could cost the
+request `lookup_wait_seconds` and then a recompute anyway (a bucket whose link uploads
+saturate: 2 s stalls in every router's benchmark). A tier is saturated for this request
+when the promotions this engine already waits on from it (`waiting`: bytes ahead of its
+own in the store's queue) plus its own would take longer than recomputing: it
+recomputes too. An estimate older than `stale_seconds` that still says recompute is
+followed and probed the same way; one that says load is loaded (which measures it too).
+`note_timed_out` counts requests that waited `lookup_wait_seconds` and then recomputed
+(`requests_waited_then_recomputed`): what this module exists to keep at 0.
+
+Invariants: a cut only moves MISSes earlier, never turns a MISS into a HIT; a
 request's cut is fixed once decided and forgotten when the request finishes. Plain
 Python; must not call the store or import vLLM (positions come in as a mapping).
 """
@@ -45,6 +55,9 @@ logger = logging.getLogger(__name__)
 # The tier a promotion would read a chunk from, in the store's order of preference.
 PROMOTION_ORDER = ((STORAGE, "disk"), (PEER, "peer"), (OBJECT, "object"))
 TIERS = tuple(tier for _, tier in PROMOTION_ORDER)
+# How often a tier with no estimate yet is probed at most: the store's estimate needs a
+# few reads (`TierEstimate.min_batches`), so it must not wait `stale_seconds` between them.
+UNMEASURED_PROBE_SECONDS = 1.0
 
 
 def source_tier(media: Collection[str]) -> str | None:
@@ -75,6 +88,7 @@ class LoadAdmission:
         self._cuts: dict[str, int | None] = {}  # req_id -> first position recomputed (None: load all)
         self._probes: list[bytes] = []  # chunks to promote in the background (take_probes)
         self._probed_at: dict[str, float] = {}  # tier -> when its last background probe was asked for
+        self._timed_out: set[str] = set()  # requests counted in `requests_waited_then_recomputed`
         # `loads_skipped_<tier>`: lower-tier chunks recomputed rather than loaded (the manager's counters).
         self.counters = counters
         if self.enabled:
@@ -122,11 +136,13 @@ class LoadAdmission:
         anchor_groups: Collection[int],
         group_of: Callable[[bytes], int],
         now: float,
+        waiting: Collection[bytes] = (),
     ) -> bool:
         """At a chunk that would come from a lower tier: True to recompute from here on.
 
         `positions`: every chunk of the request and the token its prefix ends at;
-        `mirror`: key -> media the store holds it in; `group_of`: a key's KV group.
+        `mirror`: key -> media the store holds it in; `group_of`: a key's KV group;
+        `waiting`: chunks this engine already waits on the store to promote (its queue).
         """
         if not self.enabled or req_id in self._cuts:
             return self.cut_before(req_id, position)
@@ -154,24 +170,41 @@ class LoadAdmission:
                 bytes_by_tier[tier] = bytes_by_tier.get(tier, 0) + self.chunk_bytes
                 lower_keys.setdefault(tier, []).append(key)
         costs = self.current_costs(now)
-        # What each tier delivered when last measured, however long ago: a stale estimate
-        # that says load is loaded (which measures it), one that says recompute is
-        # followed, and the tier is measured again in the background, by promoting this
-        # request's chunks from it with no request waiting on them.
-        load, _ = break_even(
-            bytes_by_tier, end - start, costs, self.recompute_tokens_per_second, self.safety_margin, math.inf
-        )
+        rate = self.recompute_tokens_per_second
+        unmeasured = rate is not None and rate > 0 and any(tier not in costs for tier in bytes_by_tier)
+        if unmeasured:
+            load = False  # no figure: recompute now, measure it in the background
+        else:
+            # Bytes the store promotes for this engine ahead of these, from the same tier.
+            queued = dict(bytes_by_tier)
+            own = {key for keys in lower_keys.values() for key in keys}
+            for key in waiting:
+                tier = source_tier(mirror.get(key, ())) if key not in own else None
+                if tier in queued:
+                    queued[tier] += self.chunk_bytes
+            # What each tier delivered when last measured, however long ago: a stale
+            # estimate that says load is loaded (which measures it), one that says
+            # recompute is followed, and the tier is measured again in the background.
+            load, _ = break_even(queued, end - start, costs, rate, self.safety_margin, math.inf)
         self._cuts[req_id] = None if load else position
         if load:
             return False
-        for tier, keys in lower_keys.items():  # each has an estimate: break_even loads without one
+        for tier, keys in lower_keys.items():
             self.counters[f"loads_skipped_{tier}"] += len(keys)
-            stale = costs[tier].age_seconds > self.stale_seconds
-            if stale and now - self._probed_at.get(tier, -math.inf) > self.stale_seconds:
+            cost = costs.get(tier)
+            every = UNMEASURED_PROBE_SECONDS if cost is None else self.stale_seconds
+            unknown = cost is None or cost.age_seconds > self.stale_seconds
+            if unknown and now - self._probed_at.get(tier, -math.inf) > every:
                 self._probed_at[tier] = now
                 self._probes.extend(keys)
                 self.counters["chunks_probed"] += len(keys)
         return True
+
+    def note_timed_out(self, req_id: str) -> None:
+        """The request waited `lookup_wait_seconds` for chunks and recomputes: counted once."""
+        if req_id not in self._timed_out:
+            self._timed_out.add(req_id)
+            self.counters["requests_waited_then_recomputed"] += 1
 
     def take_probes(self) -> list[bytes]:
         """Chunks to promote in the background, no request waiting on them (the manager
@@ -181,3 +214,4 @@ class LoadAdmission:
 
     def forget(self, req_id: str) -> None:
         self._cuts.pop(req_id, None)
+        self._timed_out.discard(req_id)

@@ -34,8 +34,10 @@ COUNTER_NAMES = {
     "loads_skipped_disk": "Chunks on the node's disk recomputed because loading them was slower (admission.load).",
     "loads_skipped_peer": "Chunks on another node recomputed because loading them was slower (admission.load).",
     "loads_skipped_object": "Chunks in the object store recomputed because loading them was slower (admission.load).",
-    "chunks_probed": "Lower-tier chunks promoted in the background, no request waiting, to measure a tier whose "
-    "estimate went stale while it still said recompute (admission.load).",
+    "chunks_probed": "Lower-tier chunks promoted in the background, no request waiting, to measure a tier with no "
+    "estimate yet or one gone stale while it still said recompute (admission.load).",
+    "requests_waited_then_recomputed": "Requests that waited lookup_wait_seconds for chunks and then recomputed "
+    "them anyway (the stall admission.load avoids; expected 0).",
     "requests_hit_at_first_lookup": "Requests whose first lookup found their first chunk in the node arena (a HIT, no wait).",
     "requests_retried_at_first_lookup": "Requests whose first lookup waited (RETRY) for a chunk being promoted or a fresher view.",
     "requests_missed_at_first_lookup": "Requests whose first lookup found nothing kvstrata could serve (MISS).",

@@ -149,10 +149,12 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
             # A slow promotion or a silent store must not hold the request: recompute.
             if key in self._pin_waiters or key in self._mirror or self._view_as_of < arrived - self._max_view_age:
                 self._counters["lookups_timed_out"] += 1
+                self._load_admission.note_timed_out(req_id)
             return LookupResult.MISS
         if key in self._mirror and self._load_admission.decide(
-            req_id, position, key_positions(req_context), self._mirror, self._anchor_groups, key_group, now
-        ):
+            req_id, position, key_positions(req_context), self._mirror, self._anchor_groups, key_group, now,
+            self._pin_waiters,
+        ):  # fmt: skip
             self._probe(self._load_admission.take_probes())
             return LookupResult.MISS  # loading the rest from a lower tier is slower than recomputing it
         if key in self._mirror or (pin is not None and pin.epoch == self._epoch):

@@ -20,23 +20,32 @@ node stores (`figures`): each store measures what its disk, peers and bucket del
 than recomputing its own tokens is priced as recomputing them: an engine with
 `admission.load: break_even` (the default) would recompute them.
 
-Load bound ("consistent hashing with bounded loads", Mirrokni et al. 2018): a replica
-may take a request only while its load stays within
-`ceil(load_factor * (all load + 1) / replicas)`, so a hot prefix spills to the next
-cheapest replica instead of piling onto one. The load is the requests routed to it,
-each weighing less as it ages (`RoutedLoad`, half-life a minute): requests in flight
-alone bound nothing where few are in flight (with two replicas and two requests in
-flight the bound is 2, so both may pile onto one, request after request). Among the replicas within the bound the
-smallest estimate wins, where estimates within a margin of it count as equal and the one
-holding more of the prefix on its own node goes first; the others follow in order
-(Serve tries the next when one is full).
+Load bound ("consistent hashing with bounded loads", Mirrokni et al. 2018), on requests
+in flight: a replica may take a request while it has a free batch slot (fewer requests in
+flight than its engine runs at once: another request there shares the steps rather than
+waiting), or while its requests in flight stay within
+`ceil(load_factor * (all in flight + 1) / replicas)`. Only requests this router sent by
+estimate and not yet completed count: a completed request loads nothing (the app's
+readiness probe, a conversation's earlier turn), and a request routed by the fallback
+went where Serve's power of two choices put it, by the replica's own queue length. Past
+its slots and the bound a hot prefix spills to the next cheapest replica; within them
+the estimate's queue term prices the wait, so a second copy of a prefix is made only
+where recomputing it elsewhere is cheaper than waiting for its home.
 
-Invariants: pure, except `Backlog` and `RoutedLoad`, whose only state is per-replica
-figures read through an injected clock. Ties keep the caller's order (callers shuffle first).
+Among the replicas within the bound the smallest estimate wins, where estimates within a
+margin of it count as equal and the one holding more of the prefix on its own node goes
+first; among equals the prefix's rendezvous order (`rendezvous_order`: highest random
+weight of the prefix's first block and the replica) decides, so a new prefix has one
+home, the same in every router process, and the next request sharing it goes there too.
+The others follow in order (Serve tries the next when one is full).
+
+Invariants: pure, except `Backlog`, whose only state is per-replica figures read through
+an injected clock. Ties keep the caller's order (callers put it in rendezvous order first).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -124,22 +133,32 @@ def estimate_ttft(
     )
 
 
-def load_bound(loads: Mapping[Hashable, float], load_factor: float) -> int:
-    """The load a replica may have after taking one more request."""
-    total = sum(loads.values())
-    return max(1, math.ceil(load_factor * (total + 1) / max(1, len(loads))))
+def load_bound(in_flight: Mapping[Hashable, float], load_factor: float) -> int:
+    """The requests in flight a replica may have after taking one more."""
+    total = sum(in_flight.values())
+    return max(1, math.ceil(load_factor * (total + 1) / max(1, len(in_flight))))
+
+
+def within_bound(
+    replica: Hashable, in_flight: Mapping[Hashable, float], bound: int, slots: Mapping[Hashable, int] | None = None
+) -> bool:
+    """Whether `replica` may take one more request: a free batch slot, or within `bound`."""
+    mine = in_flight.get(replica, 0)
+    return mine < (slots or {}).get(replica, 0) or mine + 1 <= bound
 
 
 def rank_replicas(
     replicas: Sequence[Hashable],
     estimates: Mapping[Hashable, float],
-    loads: Mapping[Hashable, float],
+    in_flight: Mapping[Hashable, float],
     load_factor: float,
     local_tokens: Mapping[Hashable, int] | None = None,
     margin: float = 0.0,
+    slots: Mapping[Hashable, int] | None = None,
 ) -> list[Hashable]:
     """Replicas in the order to try them: within the load bound by estimate, then the rest
-    by load and estimate. `loads`: each replica's (missing: 0).
+    by requests in flight and estimate. `in_flight`: each replica's (missing: 0);
+    `slots`: each replica's batch slots (missing: 0), never excluded while one is free.
 
     Within the bound, estimates less than `margin` (a fraction) above the best count as
     equal, and among those the replica whose node holds more of the prefix itself
@@ -147,18 +166,29 @@ def rank_replicas(
     such a difference, and moving a request off the node that holds its prefix makes a
     second copy of it in another arena, which costs later requests.
     """
-    bound = load_bound({r: loads.get(r, 0) for r in replicas}, load_factor)
-    # Whole requests against the bound (the nearest): a load decayed below half a request is none.
-    within = [r for r in replicas if math.floor(loads.get(r, 0) + 0.5) + 1 <= bound]
-    beyond = [r for r in replicas if math.floor(loads.get(r, 0) + 0.5) + 1 > bound]
+    bound = load_bound({r: in_flight.get(r, 0) for r in replicas}, load_factor)
+    within = [r for r in replicas if within_bound(r, in_flight, bound, slots)]
+    beyond = [r for r in replicas if not within_bound(r, in_flight, bound, slots)]
     within.sort(key=lambda r: estimates[r])
-    beyond.sort(key=lambda r: (loads.get(r, 0), estimates[r]))
+    beyond.sort(key=lambda r: (in_flight.get(r, 0), estimates[r]))
     if within and local_tokens and margin > 0:
         limit = estimates[within[0]] * (1.0 + margin)
         near = [r for r in within if estimates[r] <= limit]
         near.sort(key=lambda r: -local_tokens.get(r, 0))  # stable: by estimate among equals
         within = near + within[len(near) :]
     return within + beyond
+
+
+def rendezvous_order(prefix: bytes, replicas: Sequence[Hashable], name: Callable[[Hashable], str] = str) -> list[Hashable]:
+    """`replicas` by their rendezvous weight for `prefix`, highest first (Thaler & Ravishankar
+    1998): a pure function of the prefix and the replica set, so every router process puts a
+    new prefix on the same home, and a replica that leaves moves only the prefixes it was
+    home to. `name`: a replica's stable name (its Serve replica id)."""
+
+    def weight(replica: Hashable) -> bytes:
+        return hashlib.blake2b(prefix + b"\0" + name(replica).encode(), digest_size=8).digest()
+
+    return sorted(replicas, key=weight, reverse=True)
 
 
 class Backlog:
@@ -181,29 +211,3 @@ class Backlog:
     def forget(self, keep: set[Hashable]) -> None:
         for replica in [r for r in self._finish if r not in keep]:
             del self._finish[replica]
-
-
-class RoutedLoad:
-    """Per replica, the requests routed to it, each weighing `0.5 ** (age / half_life)`:
-    what the load bound counts. Not thread-safe: the router's event loop only."""
-
-    def __init__(self, half_life_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic):
-        self._rate = math.log(2) / half_life_seconds
-        self._clock = clock
-        self._load: dict[Hashable, tuple[float, float]] = {}  # replica -> (load, as of when)
-
-    def add(self, replica: Hashable) -> None:
-        now = self._clock()
-        self._load[replica] = (self._at(replica, now) + 1.0, now)
-
-    def loads(self, replicas: Sequence[Hashable]) -> dict[Hashable, float]:
-        now = self._clock()
-        return {replica: self._at(replica, now) for replica in replicas}
-
-    def forget(self, keep: set[Hashable]) -> None:
-        for replica in [r for r in self._load if r not in keep]:
-            del self._load[replica]
-
-    def _at(self, replica: Hashable, now: float) -> float:
-        load, when = self._load.get(replica, (0.0, now))
-        return load * math.exp(-self._rate * (now - when))

@@ -14,7 +14,7 @@ counts (`no_prompt_tokens`, `no_layout`, `keys_unreproducible`, `directory_unava
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.routing.coverage import ClusterCoverage, NodeCoverage, RecentPrefixes, cluster_coverage
@@ -83,8 +83,7 @@ async def cluster_coverages(
     plan: PromptPlan, figures: ClusterFigures, timeout_s: float, recent: RecentPrefixes | None = None
 ) -> dict[str, ClusterCoverage]:
     """Namespace -> every candidate node's coverage and the bucket's: one batched directory
-    call; with `recent`, the chunks this router just sent somewhere count as there, and
-    each node's `recent` says how much of the prompt it just computed."""
+    call; with `recent`, the chunks this router just sent somewhere count as there."""
     try:
         masks = await directory_coverage(
             figures.shards, {namespace: chunks.keys for namespace, chunks in plan.chunks.items()}, timeout_s
@@ -95,31 +94,41 @@ async def cluster_coverages(
         for namespace, chunks in plan.chunks.items():
             for holder, mask in recent.masks(chunks.keys).items():
                 masks[namespace][holder] = masks[namespace].get(holder, 0) | mask
-    coverages = {}
-    for namespace, chunks in plan.chunks.items():
-        coverage = cluster_coverage(chunks, masks[namespace], plan.nodes[namespace])
-        if recent is not None:
-            blocks = plan.blocks(namespace)
-            limit = max(0, plan.prompt_tokens - 1)
-            chunk = max(chunks.scheme.chunk_tokens)
-            for node_id in plan.nodes[namespace]:
-                mine = coverage.of(node_id)
-                tokens = min(limit, recent.prefix_blocks(node_id, blocks) * chunks.scheme.tokens_per_hash)
-                if tokens >= mine.servable + chunk:  # whole chunks of it are gone from there: so is its tail
-                    tokens = 0
-                coverage.nodes[node_id] = replace(mine, recent=tokens)
-        coverages[namespace] = coverage
-    return coverages
+    return {
+        namespace: cluster_coverage(chunks, masks[namespace], plan.nodes[namespace])
+        for namespace, chunks in plan.chunks.items()
+    }
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node's best coverage of the prompt over its namespaces, and that namespace."""
+
+    coverage: NodeCoverage
+    namespace: str
+    slot_bytes: int
 
 
 async def covered_by_node(
     plan: PromptPlan, figures: ClusterFigures, timeout_s: float, recent: RecentPrefixes | None = None
-) -> dict[str, tuple[NodeCoverage, int]]:
-    """Node -> (its best coverage over its namespaces, that namespace's chunk bytes)."""
-    best: dict[str, tuple[NodeCoverage, int]] = {}
+) -> dict[str, NodeView]:
+    """Node -> its best coverage over its namespaces (what the router weighs)."""
+    best: dict[str, NodeView] = {}
     for namespace, coverage in (await cluster_coverages(plan, figures, timeout_s, recent)).items():
         for node_id in plan.nodes[namespace]:
             mine = coverage.of(node_id)
-            if node_id not in best or max(mine.servable, mine.recent) > max(best[node_id][0].servable, best[node_id][0].recent):
-                best[node_id] = (mine, plan.chunks[namespace].scheme.slot_bytes)
+            if node_id not in best or mine.servable > best[node_id].coverage.servable:
+                best[node_id] = NodeView(mine, namespace, plan.chunks[namespace].scheme.slot_bytes)
     return best
+
+
+def own_cache_tokens(plan: PromptPlan, view: NodeView, cached_blocks: int) -> int:
+    """Prompt tokens a replica's own prefix cache holds, from its first `cached_blocks`
+    blocks (engine_cache.EngineCacheView): at most what the engine can skip (short of the
+    last token), and none where the directory no longer shows whole chunks of that prefix
+    on its node (a tail whose prefix was evicted there is likely gone with it)."""
+    scheme = plan.chunks[view.namespace].scheme
+    tokens = min(max(0, plan.prompt_tokens - 1), cached_blocks * scheme.tokens_per_hash)
+    if tokens >= view.coverage.servable + max(scheme.chunk_tokens):
+        return 0
+    return tokens

@@ -1,7 +1,10 @@
 """`admission.load: break_even` behind the manager: a prefix split across the arena and a
 slow tier loads its arena part and recomputes the rest -- whole chunks, in prefix order,
-and no group beyond its anchor -- while a fast tier, an unknown one or `always` loads
-everything. In-process node store with a disk tier whose measured speed the test sets."""
+and no group beyond its anchor -- while a fast tier or `always` loads everything; a tier
+never measured or already queued past the break-even is recomputed at once (probed in
+the background when unmeasured), and a request that waited lookup_wait_seconds and
+recomputed anyway is counted. In-process node store with a disk tier whose measured
+speed the test sets."""
 
 from __future__ import annotations
 
@@ -107,21 +110,90 @@ def test_arena_part_loads_and_the_slow_rest_is_recomputed(env):
 
 @pytest.mark.parametrize(
     ("load", "bytes_per_second"),
-    [("break_even", 1e9), ("always", 4096.0), ("break_even", None)],
-    ids=["fast-tier", "always", "never-measured"],
+    [("break_even", 1e9), ("always", 4096.0)],
+    ids=["fast-tier", "always"],
 )
-def test_a_fast_tier_always_or_no_estimate_loads_the_rest(env, load, bytes_per_second):
+def test_a_fast_tier_or_always_loads_the_rest(env, load, bytes_per_second):
     make_store, make_manager = env
     store = make_store(load)
     writer = make_manager(store, "writer")
     split_prefix(store, writer, [key(3), key(4)], [key(1), key(2)])
     reader = make_manager(store, "reader")
-    if bytes_per_second is not None:
-        measured(store, reader, bytes_per_second)
+    measured(store, reader, bytes_per_second)
     context = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
     # On disk only: RETRY while the store promotes it (the load path).
     assert [reader.lookup(key(i), context) for i in (1, 2, 3)] == [HIT, HIT, RETRY]
     assert reader._counters["loads_skipped_disk"] == 0
+
+
+def test_a_tier_never_measured_is_recomputed_at_once_and_probed_in_the_background(env):
+    """#48, finding 1: a request whose rest sits on a tier this engine has no figure for
+    does not wait on it (up to lookup_wait_seconds, then recompute anyway): it recomputes
+    now, and the chunks go to the store as probes, whose promotion measures the tier."""
+    make_store, make_manager = env
+    store = make_store()
+    writer = make_manager(store, "writer")
+    split_prefix(store, writer, [key(3), key(4)], [key(1), key(2)])
+    reader = make_manager(store, "reader")
+    assert "disk" not in reader._load_admission.costs  # nothing read from this disk yet
+    context = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
+    assert [reader.lookup(key(i), context) for i in (1, 2, 3, 4)] == [HIT, HIT, MISS, MISS]  # no RETRY
+    assert reader._counters["loads_skipped_disk"] == 2 and reader._counters["chunks_probed"] == 2
+    assert reader._counters["requests_waited_then_recomputed"] == 0
+    reader.prepare_load([key(1), key(2)], context)
+    reader.complete_load([key(1), key(2)], context)
+    reader.on_request_finished(context)
+    for _ in range(20):  # the probe's promotion: a step asks, the store reads the disk, a step collects
+        step(writer)  # (evicted slots are reused once every engine saw their chunks go)
+        step(reader, store)
+        if not reader._pin_waiters:
+            break
+    assert not reader._pin_waiters, reader._pin_waiters
+    assert store.tier_estimates._tiers["disk"].batches >= 1  # the disk read was measured
+    step(reader, store)
+    again = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
+    assert [reader.lookup(key(i), again) for i in (1, 2, 3, 4)] == [HIT] * 4  # probed into the arena
+    reader.on_request_finished(again)
+
+
+def test_a_tier_whose_queue_exceeds_the_break_even_is_recomputed():
+    """Measured fast enough for this request alone (2 chunks: 16 ms against 64 ms of
+    recompute), but 8 chunks this engine already waits on from it are ahead in the
+    store's queue: 80 ms of reading before the last of its own lands, past the margin."""
+    from kvstrata.config import AdmissionConfig
+    from kvstrata.connector.load_admission import LoadAdmission
+    from kvstrata.tiers.changelog import STORAGE
+
+    counters = {"loads_skipped_disk": 0, "loads_skipped_peer": 0, "loads_skipped_object": 0, "chunks_probed": 0}
+    admission = LoadAdmission(AdmissionConfig(load="break_even", safety_margin=0.2), RECOMPUTE, SLOT, counters)
+    admission.receive_costs({"disk": (0.0, SLOT / 0.008, 0.0)}, now=100.0)  # 8 ms a chunk
+    queued = [key(100 + i) for i in range(8)]
+    mirror = {k: {STORAGE} for k in [key(1), key(2), *queued]}
+    positions = {key(1): TOKENS, key(2): 2 * TOKENS}
+
+    def recomputes(req_id: str, waiting) -> bool:
+        return admission.decide(req_id, TOKENS, positions, mirror, (), lambda k: 0, 100.0, waiting)
+
+    assert not recomputes("alone", [])
+    assert not recomputes("own keys are not a queue", [key(1), key(2)])
+    assert recomputes("behind eight", queued)
+    assert counters["loads_skipped_disk"] == 2 and counters["chunks_probed"] == 0  # measured: no probe
+
+
+def test_a_request_that_waited_out_lookup_wait_seconds_is_counted_once(env):
+    make_store, make_manager = env
+    store = make_store("always")
+    writer = make_manager(store, "writer")
+    split_prefix(store, writer, [key(3), key(4)], [key(1), key(2)])
+    reader = make_manager(store, "reader")
+    now = [1000.0]
+    reader._clock = lambda: now[0]
+    context = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
+    assert [reader.lookup(key(i), context) for i in (1, 2, 3)] == [HIT, HIT, RETRY]
+    now[0] += reader._lookup_wait + 0.1  # the promotion did not land in time
+    assert [reader.lookup(key(i), context) for i in (3, 4)] == [MISS, MISS]
+    assert reader._counters["requests_waited_then_recomputed"] == 1  # one request, however many chunks
+    reader.on_request_finished(context)
 
 
 def test_no_group_is_loaded_beyond_its_anchor(env):

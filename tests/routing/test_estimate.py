@@ -1,12 +1,13 @@
-"""The estimate orders replicas by what their nodes measured, the load bound spreads a hot
-prefix, and the backlog charges work already sent (synthetic coverages and rates)."""
+"""The estimate orders replicas by what their nodes measured, the load bound (on requests in
+flight, past free batch slots) spreads a hot prefix, a new prefix has one rendezvous home,
+and the backlog charges work already sent (synthetic coverages and rates)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvstrata.routing.coverage import ARENA, BUCKET, DISK, NodeCoverage
-from kvstrata.routing.estimate import Backlog, ReplicaRates, estimate_ttft, load_bound, rank_replicas
+from kvstrata.routing.estimate import Backlog, ReplicaRates, estimate_ttft, load_bound, rank_replicas, rendezvous_order
 from kvstrata.tiers.estimates import Cost
 from tests.utils import FakeClock
 
@@ -73,17 +74,39 @@ def test_under_the_bound_no_replica_ever_holds_more_than_its_share():
     assert max(in_flight.values()) <= 1.25 * 20 + 1
 
 
-def test_the_load_bound_counts_requests_routed_lately_not_only_those_in_flight():
-    from kvstrata.routing.estimate import RoutedLoad
+def test_a_replica_with_a_free_batch_slot_is_never_excluded_by_the_bound():
+    estimates = {"a": 0.1, "b": 1.0}
+    # Two in flight on "a" already: the bound (ceil(1.25 * 3 / 2) = 2) alone would spill...
+    assert rank_replicas(["a", "b"], estimates, {"a": 2, "b": 0}, 1.25) == ["b", "a"]
+    # ...but "a" runs 4 at once: it takes the request beside the two (continuous batching).
+    assert rank_replicas(["a", "b"], estimates, {"a": 2, "b": 0}, 1.25, slots={"a": 4, "b": 4}) == ["a", "b"]
+    # Its slots full, the bound decides again.
+    assert rank_replicas(["a", "b"], estimates, {"a": 4, "b": 0}, 1.25, slots={"a": 4, "b": 4}) == ["b", "a"]
 
-    clock = FakeClock()
-    routed = RoutedLoad(half_life_seconds=60, clock=clock)
-    for _ in range(6):  # one at a time: never more than one in flight, all to "a"
-        routed.add("a")
-    assert rank_replicas(["a", "b"], {"a": 0.1, "b": 1.0}, routed.loads(["a", "b"]), 1.25) == ["b", "a"]
-    clock.advance(600)  # ten half-lives: what "a" took then hardly counts
-    assert routed.loads(["a", "b"])["a"] == pytest.approx(6 / 1024)
-    assert rank_replicas(["a", "b"], {"a": 0.1, "b": 1.0}, routed.loads(["a", "b"]), 1.25) == ["a", "b"]
+
+def test_completed_requests_load_nothing():
+    """The bound counts requests in flight only: six requests that came and went one at a
+    time (a readiness probe, a conversation's earlier turns) leave the cheap replica first."""
+    in_flight = {"a": 0, "b": 0}
+    for _ in range(6):
+        chosen = rank_replicas(["a", "b"], {"a": 0.1, "b": 1.0}, in_flight, 1.25)[0]
+        assert chosen == "a"  # sent, then completed before the next: never counted against "a"
+
+
+def test_a_new_prefix_has_one_home_and_a_leaving_replica_moves_only_its_own():
+    replicas = [f"r{i}" for i in range(8)]
+    prefixes = [bytes([i]) * 32 for i in range(200)]
+    homes = {p: rendezvous_order(p, replicas)[0] for p in prefixes}
+    assert homes == {p: rendezvous_order(p, list(reversed(replicas)))[0] for p in prefixes}  # any order given
+    assert len(set(homes.values())) == 8  # spread over every replica
+    assert max(list(homes.values()).count(r) for r in replicas) < 200 / 8 * 2
+    left = [r for r in replicas if r != "r3"]
+    for p in prefixes:  # only r3's prefixes move; each to its second choice
+        home = rendezvous_order(p, left)[0]
+        assert home == homes[p] if homes[p] != "r3" else home == rendezvous_order(p, replicas)[1]
+    # Equal estimates keep the rendezvous order: the home goes first.
+    order = rendezvous_order(prefixes[0], replicas)
+    assert rank_replicas(order, dict.fromkeys(replicas, 0.5), dict.fromkeys(replicas, 0), 1.25)[0] == homes[prefixes[0]]
 
 
 def test_the_backlog_drains_with_time():

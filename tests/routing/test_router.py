@@ -233,3 +233,20 @@ def test_a_store_that_cannot_be_reached_costs_the_request_nothing():
 
     prefetcher = asyncio.run(run())  # waits for the executor's job
     assert prefetcher.counters == {"sent": 0, "chunks": 0, "failed": 1}
+
+
+def test_a_new_hot_prefix_stays_on_one_home_while_it_has_free_batch_slots():
+    """#48, finding 2: a new prefix goes to its rendezvous home, and the requests sharing
+    it follow while the home has free batch slots -- no second copy on another node --
+    then the bound spills the next. Every router process picks the same home."""
+
+    async def run():
+        homes = set()
+        for _ in range(2):  # two router processes
+            made = router(DirectoryShard(0), batch_slots=4)
+            chosen = [(await choose(made, request(n)))[0] for n in range(5)]  # none completes
+            assert chosen[:4] == [chosen[0]] * 4 and chosen[4] != chosen[0], chosen
+            homes.add(chosen[0])
+        assert len(homes) == 1
+
+    asyncio.run(run())
