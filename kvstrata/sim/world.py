@@ -16,6 +16,7 @@ purges whose jobs in flight have not settled yet.
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -78,6 +79,22 @@ class SimConfig:
     # work, and that the disk index and its records agree: findings 3 and 4 of issue #37
     # (fixed on the `store-purge` branch). Random runs have them on.
     purge_and_disk_races: bool = False
+    # The paths added for issue #51 (random runs have them on): engines that are vLLM's
+    # `WeightGenerations` (a connector reset is a weight update), async scheduling, late
+    # worker copies, failed stores, preemption, hints (prefetch, pins, retention) from
+    # two tenants, hybrid anchor groups.
+    generations: tuple[bool, ...] = (False,)  # per engine: wrapped in WeightGenerations
+    async_scheduling: tuple[bool, ...] = (False,)  # per engine
+    copy_steps: int = 2  # a copy lands before the engine's step this many after it was prepared
+    copy_seconds: float = COPY_SECONDS  # ... and at most this long after (late copies: up to half a lease)
+    hints: bool = False  # the store's hint calls (prefetch, pin, unpin, retain) as actions
+    tenants: int = 1  # engines of 2 tenants (namespace prefixes) share the node
+    anchors: bool = False  # a hybrid model: group 1 (sliding window) anchored on group 0
+
+
+def config_from_json(fields: dict) -> SimConfig:
+    """A `SimConfig` as a trace prints it (JSON turned its tuples into lists)."""
+    return SimConfig(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
 
 
 @dataclass
@@ -93,6 +110,36 @@ class PurgeWatch:
 
     namespace: str
     jobs: set[int]
+
+
+class _Swallowed(logging.Handler):
+    """Records what the store's loggers report with an exception while a job runs: a
+    background job that catches its own failure and logs it hid a bug from the checks."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+        self._logger = logging.getLogger("kvstrata")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.records.append(record)
+
+    def __enter__(self) -> "_Swallowed":
+        log = self._logger
+        self._saved = logging.root.manager.disable, log.propagate, log.level
+        logging.disable(logging.NOTSET)
+        log.propagate = False
+        log.setLevel(logging.WARNING)
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        log = self._logger
+        log.removeHandler(self)
+        disable, log.propagate, level = self._saved
+        log.setLevel(level)
+        logging.disable(disable)
 
 
 class World:
@@ -115,7 +162,9 @@ class World:
         self.purges: list[PurgeWatch] = []
         self.unknown_since: dict[tuple[str, int], float] = {}  # (holder, slot) its engine does not know of
         self.arenas: dict[str, Arena] = {}  # arena epoch -> arena (dead stores' too: old loads read them)
-        self._expected: dict[tuple[bytes, int], bytes] = {}
+        self._expected: dict[tuple[bytes, str], bytes] = {}
+        self.reservations: dict[tuple[str, int], int] = {}  # (pool path, slot) -> times it was reserved
+        self.swallowed: list[str] = []  # exceptions a background job logged and swallowed
         self.raw_config = self._raw_config()
         self.kv_config = load_config(self.raw_config)
         self._set_layout()
@@ -185,8 +234,11 @@ class World:
     def _start_engine(self, index: int) -> SimEngine:
         self.incarnations[index] += 1
         holder = f"sim-engine-{index}-{self.incarnations[index]:02d}"
-        flush = self.config.flush_signal[index % len(self.config.flush_signal)]
-        return SimEngine(self, index, holder, flush)
+        c = self.config
+        flush = c.flush_signal[index % len(c.flush_signal)]
+        generations = c.generations[index % len(c.generations)]
+        async_scheduling = c.async_scheduling[index % len(c.async_scheduling)]
+        return SimEngine(self, index, holder, flush, generations, async_scheduling)
 
     def close(self) -> None:
         for engine in self.engines:
@@ -199,14 +251,36 @@ class World:
 
     # --- what engines and checks ask of the world -------------------------------------------
 
-    def expected(self, key: bytes, generation: int | None = None) -> bytes:
-        """The bytes of `key` in a generation (default: the current one): what every engine computes."""
-        generation = self.generation if generation is None else generation
-        found = self._expected.get((key, generation))
+    def expected(self, key: bytes, weights: str) -> bytes:
+        """The bytes of `key` computed with `weights` (a namespace: a model's identity, which
+        changes with its weights): what every engine of those weights computes."""
+        found = self._expected.get((key, weights))
         if found is None:
-            digest = hashlib.blake2b(key + generation.to_bytes(4, "big"), digest_size=64).digest()
-            found = self._expected[(key, generation)] = digest * (SLOT // 64)
+            digest = hashlib.blake2b(key + weights.encode(), digest_size=64).digest()
+            found = self._expected[(key, weights)] = digest * (SLOT // 64)
         return found
+
+    def copy_deadline(self, engine: SimEngine) -> int:
+        """The step before which a copy prepared now has landed (late copies: several steps)."""
+        return engine.step_no + self.config.copy_steps
+
+    def watch_pools(self) -> None:
+        """Count each slot's reservations (`reservation_of`): every pool's `reserve` wrapped once."""
+        for pool in self.store.arena.pools.values():
+            if "reserve" in pool.__dict__:
+                continue
+            path, reserve, counts = pool.geometry.path_template, pool.reserve, self.reservations
+
+            def counted(holder: str, count: int, path=path, reserve=reserve) -> list[int]:
+                granted = reserve(holder, count)
+                for slot in granted:
+                    counts[(path, slot)] = counts.get((path, slot), 0) + 1
+                return granted
+
+            pool.reserve = counted
+
+    def reservation_of(self, path: str, slot: int) -> int:
+        return self.reservations.get((path, slot), 0)
 
     def view(self, path_template: str, slot: int) -> np.ndarray | None:
         """The bytes of `slot` in the pool whose segments are named by `path_template`."""
@@ -230,16 +304,18 @@ class World:
         invariants.check_wait(self, engine, req)
 
     def land(self, copy: Copy) -> None:
-        """A worker's copy lands: a load reads its slots, a store writes its chunks' bytes."""
+        """A worker's copy lands: a load reads its slots, a store writes its chunks' bytes
+        (a failed one, garbage)."""
         engine = self.engines[copy.engine]
         if copy.kind == "load":
             invariants.check_load(self, engine, copy)
         else:
             invariants.check_store_write(self, engine, copy)
             for key, slot in zip(copy.keys, copy.slots):
+                self.write(copy.path, slot, f"store of {engine.holder}", copy)
                 view = self.view(copy.path, slot)
                 if view is not None:
-                    view[:] = np.frombuffer(self.expected(key, copy.generation), dtype=np.uint8)
+                    view[:] = 0x5A if copy.failed else np.frombuffer(self.expected(key, copy.weights), dtype=np.uint8)
         copy.landed = True
         self.copies.pop(copy.id, None)
         engine.copy_landed(copy)
@@ -248,7 +324,11 @@ class World:
 
     def apply(self, action: tuple) -> bool:
         """Run one action; False if it could not run now (nothing to act on)."""
-        return bool(getattr(self, f"act_{action[0]}")(*action[1:]))
+        try:
+            return bool(getattr(self, f"act_{action[0]}")(*action[1:]))
+        except Exception as exc:  # noqa: BLE001 - what raised into vLLM (or the simulation) is a violation
+            self.violation(f"{action[0]} raised {exc!r}")
+            return True
 
     def _engine(self, e: int) -> SimEngine | None:
         engine = self.engines[e % len(self.engines)]
@@ -268,6 +348,14 @@ class World:
         engine.step()
         return True
 
+    def write(self, path: str, slot: int, who: str, copy: Copy | None = None) -> None:
+        """Something writes a slot: no load in flight may be reading it (its bytes would not be its key's)."""
+        for other in self.copies.values():
+            if other is not copy and other.kind == "load" and other.path == path and slot in other.slots:
+                self.violation(
+                    f"{who} writes slot {slot} under a load of {self.engines[other.engine].holder} in flight"
+                )
+
     def act_tick(self, ms: float) -> bool:
         self.advance_to(self.clock() + ms / 1000)
         return True
@@ -276,21 +364,27 @@ class World:
         """Move the clock on; a worker's copy lands within `COPY_SECONDS` of being prepared
         (the assumption rule 3 rests on: well within half a lease), so those due land first."""
         for copy in sorted(self.copies.values(), key=lambda c: c.prepared_at):
-            if copy.prepared_at + COPY_SECONDS <= when and self.engines[copy.engine].alive:
+            if copy.prepared_at + self.config.copy_seconds <= when and self.engines[copy.engine].alive:
                 self.land(copy)
         self.clock.at_least(when)
 
-    def act_send(self, e: int) -> bool:
+    def act_send(self, e: int, c: int = 0) -> bool:
+        """A channel of the engine sends its next call (`c` picks among its generations' channels)."""
         engine = self._engine(e)
         if engine is None or self.clock() < engine.paused_until:
             return False
-        request = engine.channel.next_request()
-        if request is None:
+        channels = [channel for channel in engine.channels if not channel.closed]
+        for i in range(len(channels)):
+            channel = channels[(c + i) % len(channels)]
+            request = channel.next_request()
+            if request is not None:
+                break
+        else:
             return False
         self._next_call += 1
-        call = Call(self._next_call, engine.index, request, self.clock())
+        call = Call(self._next_call, engine.index, request, self.clock(), channel=channel)
         self.calls[call.id] = call
-        engine.channel.awaiting = call
+        channel.awaiting = call
         return True
 
     def _call(self, e: int, r: int, states: tuple[str, ...], awaited: bool | None) -> Call | None:
@@ -339,11 +433,12 @@ class World:
             return False
         self._done(call)
         engine = self.engines[call.engine]
-        if call.error is not None:
-            engine.channel.failed(call, call.error)
-        else:
-            engine.answers += 1
-            engine.channel.answered(call)
+        with engine.calls_in():
+            if call.error is not None:
+                call.channel.failed(call, call.error)
+            else:
+                engine.answers += call.channel is engine.channel
+                call.channel.answered(call)
         return True
 
     def act_lose(self, e: int, r: int) -> bool:
@@ -353,7 +448,8 @@ class World:
             return False
         self._done(call)
         self.advance_to(call.sent_at + self.config.control_timeout_seconds)
-        self.engines[call.engine].channel.failed(call, TimeoutError("simulated: answer lost"))
+        with self.engines[call.engine].calls_in():
+            call.channel.failed(call, TimeoutError("simulated: answer lost"))
         return True
 
     def act_timeout(self, e: int, r: int) -> bool:
@@ -362,7 +458,8 @@ class World:
         if call is None:
             return False
         self.advance_to(call.sent_at + self.config.control_timeout_seconds)
-        self.engines[call.engine].channel.failed(call, TimeoutError("simulated: no answer in time"))
+        with self.engines[call.engine].calls_in():
+            call.channel.failed(call, TimeoutError("simulated: no answer in time"))
         return True
 
     def act_fail(self, e: int, r: int) -> bool:
@@ -371,7 +468,8 @@ class World:
         if call is None:
             return False
         self._done(call)
-        self.engines[call.engine].channel.failed(call, ConnectionError("simulated: store unreachable"))
+        with self.engines[call.engine].calls_in():
+            call.channel.failed(call, ConnectionError("simulated: store unreachable"))
         return True
 
     def act_duplicate(self, e: int, r: int) -> bool:
@@ -392,9 +490,12 @@ class World:
             job = next(j for j in self.jobs.pending.values() if j.owner is job.owner)
         del self.jobs.pending[job.id]
         before = set(self.jobs.pending)
-        exc = job.run()
+        with _Swallowed() as swallowed:
+            exc = job.run()
         if exc is not None:
             self.violation(f"background job {job.name} raised {exc!r}")
+        for record in swallowed.records:
+            self.violation(f"background job {job.name} swallowed {record.exc_info[1]!r} ({record.getMessage()})")
         spawned = set(self.jobs.pending) - before  # (a bucket purge waits for the uploads before it)
         for watch in self.purges:
             if job.id in watch.jobs:
@@ -426,8 +527,50 @@ class World:
                 call.awaited = False
         for copy_id in [c for c, copy in self.copies.items() if copy.engine == engine.index]:
             del self.copies[copy_id]
-        self.crashed[engine.holder] = self.clock()
+        for manager in engine.strata:
+            self.crashed.setdefault(manager.holder, self.clock())
         self.engines[engine.index] = self._start_engine(engine.index)
+        return True
+
+    def act_retire(self, e: int, r: int) -> bool:
+        """An old cache generation's retiring thread runs (`WeightGenerations`): it waits
+        until its channel is idle (or gives up) and shuts the old manager down."""
+        engine = self._engine(e)
+        if engine is None or not engine.retirements:
+            return False
+        with engine.calls_in():
+            engine.retirements[r % len(engine.retirements)].run()
+        for manager in engine.strata:
+            if manager._channel.closed:  # retired: what it held is released, or its lease ends
+                self.crashed.setdefault(manager.holder, self.clock())
+        return True
+
+    def act_preempt(self, e: int, r: int) -> bool:
+        engine = self._engine(e)
+        return engine is not None and engine.preempt(r)
+
+    def act_fail_copy(self, e: int, r: int) -> bool:
+        engine = self._engine(e)
+        return engine is not None and engine.fail_copy(r)
+
+    def act_hint(self, e: int, kind: int, p: int, arg: int) -> bool:
+        """A hint reaches the store for an engine's namespace (a request's `kv_hints`, a
+        router's prefetch, `kvstrata warm`): prefetch with a lease, pin, unpin or retain
+        a prompt's chunks. Answers are advice: nothing here may fail or hand out bytes."""
+        if not self.config.hints:
+            return False
+        engine = self._engine(e)
+        current = engine.current if engine is not None else None
+        if current is None:
+            return False
+        keys = self.prompts[p % len(self.prompts)]
+        action = ({"action": "kv.prefetch", "keys": keys, "lease_seconds": (0.5, 2.0, 6.0)[arg % 3]},
+                  {"action": "pin", "keys": keys}, {"action": "unpin", "keys": keys},
+                  {"action": "kv.retain", "keys": keys, "priority": 1 + arg % 100, "ttl_seconds": 1.0 + arg % 9})[kind % 4]
+        outcomes = self.store.apply_hints(current.namespace, [action])
+        if outcomes and not outcomes[0].get("ok", False):
+            self.violation(f"hint {action['action']} of {engine.holder} refused: {outcomes[0].get('error')}")
+        self.served_at = self.clock()
         return True
 
     def act_reset(self, e: int) -> bool:
@@ -495,6 +638,7 @@ class World:
             self.store._expire()  # as every store call does first
             slots = pool.reserve(CROWD, count)
             for slot in slots:
+                self.write(pool.geometry.path_template, slot, "another node's burst")
                 pool.view(slot)[:] = 0xEE
             pool.release(CROWD, slots)
         self.served_at = self.clock()
