@@ -94,14 +94,18 @@ def old_files(monkeypatch):
 # --- Hugging Face cache snapshots ---------------------------------------------------------
 
 
-def test_a_hub_snapshot_is_identified_without_reading_its_blobs(tmp_path):
+def test_a_hub_snapshot_is_read_once_per_node_then_identified_without_reading(tmp_path, old_files):
     snapshot = hub_cache(tmp_path / "hub", CHECKPOINT)
     cache = DigestCache(tmp_path / "digests")
     with bytes_read() as counted:
-        found = fingerprint(snapshot, EXACT, cache)
-    assert found.named == len(CHECKPOINT) and found.hashed_bytes == 0
-    assert counted["bytes"] < 4096 < CHECKPOINT_BYTES  # links and inodes only
-    assert found.weights.startswith("hub:")
+        first = fingerprint(snapshot, EXACT, cache)  # every name verified against its blob's bytes
+    assert first.named == len(CHECKPOINT) and first.hashed_bytes == CHECKPOINT_BYTES
+    assert counted["bytes"] >= CHECKPOINT_BYTES
+    with bytes_read() as counted:
+        again = fingerprint(snapshot, EXACT, cache)
+    assert again.weights == first.weights and again.named == len(CHECKPOINT) and again.hashed_bytes == 0
+    assert counted["bytes"] < 4096 < CHECKPOINT_BYTES  # links, inodes and the remembered names only
+    assert again.weights.startswith("hub:")
     # Control: the same files outside a hub cache are read whole.
     plain = tmp_path / "plain"
     shutil.copytree(snapshot, plain)  # follows the links: regular files
@@ -122,15 +126,46 @@ def test_a_blob_edited_through_its_link_is_hashed_not_trusted(tmp_path, old_file
     """Patching `snapshots/<rev>/model.safetensors` in place writes the blob: its name no
     longer says what it holds. Sizes are unchanged."""
     snapshot = hub_cache(tmp_path / "hub", CHECKPOINT)
-    before = fingerprint(snapshot, EXACT)
+    cache = DigestCache(tmp_path / "digests")
+    before = fingerprint(snapshot, EXACT, cache)
     shard = snapshot / "model-00002-of-00002.safetensors"
     past_the_tick_of(shard)  # a patch comes later than the download (never in the same kernel tick)
     with open(shard, "r+b") as handle:  # follows the link into blobs/
         handle.seek(12345)
         handle.write(b"\x7f")
-    after = fingerprint(snapshot, EXACT)
+    after = fingerprint(snapshot, EXACT, cache)
     assert after.weights != before.weights
     assert after.named == len(CHECKPOINT) - 1 and after.hashed_bytes == len(CHECKPOINT[shard.name])
+
+
+@pytest.mark.parametrize("evidence_lost_by", ["touch -h", "cp -a"])
+def test_an_edited_blob_whose_ctime_evidence_is_gone_is_still_not_trusted(tmp_path, old_files, evidence_lost_by):
+    """Issue 51, finding 2: after an in-place edit, `touch -h` on the link (or `chown -R`)
+    or a copy of the cache (links made after blobs) left the blob older than its link,
+    and the edited checkpoint was given the original's identity."""
+    original = fingerprint(hub_cache(tmp_path / "pristine" / "hub", CHECKPOINT), EXACT, DigestCache(tmp_path / "d0"))
+    snapshot = hub_cache(tmp_path / "hub", CHECKPOINT)
+    cache = DigestCache(tmp_path / "digests")
+    assert fingerprint(snapshot, EXACT, cache).weights == original.weights  # verified and remembered
+    shard = snapshot / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as handle:  # the edit, through the link into blobs/
+        handle.seek(12345)
+        handle.write(b"\x7f")
+    if evidence_lost_by == "touch -h":
+        past_the_tick_of(shard.resolve())
+        os.utime(shard, follow_symlinks=False)  # the link is now newer than the blob
+    else:
+        repo = snapshot.parent.parent
+        copy = tmp_path / "copy" / "hub" / repo.name
+        shutil.copytree(repo / "blobs", copy / "blobs")  # as cp -a or rsync: blobs first, then links
+        past_the_tick_of(copy / "blobs" / shard.resolve().name)
+        shutil.copytree(repo / "snapshots", copy / "snapshots", symlinks=True)
+        snapshot = copy / "snapshots" / snapshot.name
+        shard = snapshot / shard.name
+    assert shard.resolve().stat().st_ctime_ns <= shard.lstat().st_ctime_ns  # no ctime evidence left
+    edited = fingerprint(snapshot, EXACT, cache)
+    assert edited.weights != original.weights
+    assert edited.named == len(CHECKPOINT) - 1
 
 
 def test_links_that_leave_the_cache_or_name_no_content_are_hashed(tmp_path):
@@ -142,7 +177,7 @@ def test_links_that_leave_the_cache_or_name_no_content_are_hashed(tmp_path):
     (blobs / "not-a-content-name").write_bytes(b"x" * 100)
     (snapshot / "extra.json").symlink_to(os.path.relpath(blobs / "not-a-content-name", snapshot))
     found = fingerprint(snapshot, EXACT)
-    assert found.named == len(CHECKPOINT) and found.hashed_bytes == MiB + 100
+    assert found.named == len(CHECKPOINT) and found.hashed_bytes == CHECKPOINT_BYTES + MiB + 100  # names verified, the rest hashed
 
 
 def test_full_mode_reads_a_hub_snapshot_too(tmp_path):

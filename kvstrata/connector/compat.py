@@ -12,7 +12,7 @@ Supported: vLLM 0.29 through 0.33 (CI runs the connector tests on 0.29.0, 0.32.0
 | 0.29 | `OffloadPolicy.BLOCK_LEVEL`, renamed `CHUNK_LEVEL` in 0.30 | not used by kvstrata |
 | < 0.32 | no `get_load_source` / `CacheHitSource` (where a hit came from) | `load_source()` is None, never asked |
 | < 0.33 | no `OffloadingManager.lock`: callers never take it | the manager locks itself (reentrant) on every version |
-| < 0.33 | no `on_reset_flushed`: pins of a reset are released at the reset | `HAS_RESET_FLUSHED` |
+| < 0.33 | no `on_reset_flushed`: what a reset kept for jobs in flight is released with the request after the step that flushed them | `HAS_RESET_FLUSHED` |
 | < 0.33 | no `config_info` / `config_info_keys` | not used: 0.33's defaults (no labels) apply |
 | < 0.33 | `submit_load` has no `expedited` argument | the worker accepts and ignores it |
 | < 0.33 | `OffloadingEvent` has no `metadata_only` | never set |

@@ -373,7 +373,20 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
     def on_reset_flushed(self) -> None:
         """vLLM 0.33: every job in flight at the reset has finished: their slots can go."""
         with self._lock:
+            self._reset_steps_left = 0
             self._release_reset_slots()
+
+    def reset_settled(self) -> bool:
+        """True once vLLM has flushed every job that was in flight at the last reset
+        (0.33: `on_reset_flushed`; before: the step after the reset has ended, one more
+        with async scheduling) and what those jobs held is queued for the next request.
+
+        Whoever shuts this manager down after a reset (`WeightGenerations`) must wait for
+        this: `release_holder` frees every slot at once, and a slot freed before the flush
+        can be handed to another engine while a load still reads it or a store still
+        writes it (issue 51, finding 1)."""
+        with self._lock:
+            return not self._reset_steps_left and not (self._reset_pins or self._reset_holds or self._reset_releases)
 
     def _release_reset_slots(self) -> None:
         """Unpin and release what a reset kept for the jobs in flight, now flushed; a hold

@@ -20,10 +20,17 @@ space; it is not what makes the reset safe).
 
 Invariants:
 - after `reset_cache` returns, every answer comes from the new generation's manager;
-- the old manager lives until the loads in flight at the reset can no longer read its
-  slots (on vLLM 0.33 once vLLM reported them flushed, `on_reset_flushed`; before, one
-  step after the reset, when vLLM flushed them), sends its last request (purge,
-  unpins), then shuts down on a thread this object owns and joins;
+- the old manager lives until the jobs in flight at the reset can no longer touch its
+  slots: it says so (`reset_settled`: on vLLM 0.33 once vLLM reported them flushed,
+  `on_reset_flushed`; before, once the step after the reset -- the step whose execution
+  flushes them -- has ended, one step later with async scheduling). Then it sends its
+  last request (purge, unpins, releases) and shuts down on a thread this object owns;
+  its `release_holder` never runs while a pre-reset load may read a slot or a
+  pre-reset store may write one;
+- a request still running across a reset stores nothing in the new generation: its KV
+  was computed, at least in part, with the old weights (vLLM 0.32 re-offloads running
+  requests from chunk 0 after a reset, and every later chunk attends to the old KV).
+  Recomputing it later is correct; serving it would not be;
 - a new generation that cannot be started (the store unreachable) serves misses and
   stores nothing (`Misses`): recomputing is always correct.
 The new namespace is unique to the engine process: engines that applied the same
@@ -38,7 +45,6 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from kvstrata.connector.compat import (
-    HAS_RESET_FLUSHED,
     LookupResult,
     OffloadingConnectorStats,
     OffloadingEvent,
@@ -95,7 +101,8 @@ class WeightGenerations(OffloadingManager):
         self._start = start
         self._generation = 0
         self._live: dict[str, ReqContext] = {}  # requests vLLM started and has not finished
-        self._retiring: list[list[Any]] = []  # [manager, flushed], oldest first
+        self._spanning: set[str] = set()  # of those, the ones running when a reset came: never stored again
+        self._retiring: list[OffloadingManager] = []  # old generations, oldest first
         self._retired_stats: OffloadingConnectorStats | None = None
         self._threads: list[threading.Thread] = []
 
@@ -122,7 +129,8 @@ class WeightGenerations(OffloadingManager):
     def reset_cache(self) -> None:
         old = self._current
         old.reset_cache()
-        self._retiring.append([old, not HAS_RESET_FLUSHED])  # before 0.33: flushed by the next step
+        self._retiring.append(old)  # retired once it says vLLM flushed the jobs of the reset
+        self._spanning.update(self._live)
         self._generation += 1
         try:
             self._current = self._start(self._generation)
@@ -136,21 +144,22 @@ class WeightGenerations(OffloadingManager):
             self._current.on_new_request(req_context)
 
     def on_reset_flushed(self) -> None:
-        for entry in self._retiring:
-            if not entry[1]:
-                entry[0].on_reset_flushed()
-                entry[1] = True
+        for manager in self._retiring:
+            flushed = getattr(manager, "on_reset_flushed", None)  # OffloadingManager has it from 0.33 on
+            if flushed is not None:
+                flushed()
 
     def _step_retiring(self, context: ScheduleEndContext) -> None:
         """End the step for the old managers too (the first request carries the purge),
-        and shut down, off the engine's thread, each one whose loads vLLM has flushed
-        once that last request (with the unpins) is out."""
+        and shut down, off the engine's thread, each one that was settled (vLLM flushed
+        the jobs of its reset) before this step: this step's request carries what those
+        jobs held, and only then may `release_holder` free the rest."""
         still = []
-        for entry in self._retiring:
-            manager, flushed = entry
+        for manager in self._retiring:
+            settled = _reset_settled(manager)  # read before the step: the request below carries the unpins
             manager.on_schedule_end(context)
-            if not flushed:
-                still.append(entry)
+            if not settled:
+                still.append(manager)
                 continue
             stats = manager.get_stats()
             if stats is not None:
@@ -186,6 +195,8 @@ class WeightGenerations(OffloadingManager):
 
     @override
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        if req_context.req_id in self._spanning:
+            return self._current.prepare_store((), req_context)  # "nothing to store": no slot, no warning in vLLM
         return self._current.prepare_store(keys, req_context)
 
     @override
@@ -203,6 +214,7 @@ class WeightGenerations(OffloadingManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._live.pop(req_context.req_id, None)
+        self._spanning.discard(req_context.req_id)
         self._current.on_request_finished(req_context)
 
     @override
@@ -213,7 +225,7 @@ class WeightGenerations(OffloadingManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
-        events = [event for manager, _ in self._retiring for event in manager.take_events()]
+        events = [event for manager in self._retiring for event in manager.take_events()]
         return events + list(self._current.take_events())
 
     @override
@@ -230,12 +242,19 @@ class WeightGenerations(OffloadingManager):
 
     @override
     def shutdown(self) -> None:
-        for manager, _ in self._retiring:
+        for manager in self._retiring:
             _retire(manager)
         self._retiring = []
         for thread in self._threads:
             thread.join(RETIRE_TIMEOUT_S + 1)
         self._current.shutdown()
+
+
+def _reset_settled(manager: OffloadingManager) -> bool:
+    """Whether vLLM flushed the jobs of `manager`'s reset (a manager without slots, such as
+    `Misses`, has nothing to wait for)."""
+    settled = getattr(manager, "reset_settled", None)
+    return True if settled is None else bool(settled())
 
 
 def _retire(manager: OffloadingManager) -> None:

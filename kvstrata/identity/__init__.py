@@ -14,10 +14,11 @@ those copies must share chunks, while two checkpoints that differ in one byte mu
 
 - `exact` (default): every file's exact content, at almost no cost after the first
   start. A Hugging Face cache snapshot names its files by content already (`hub.py`):
-  those names are used, zero bytes read. Any other file is hashed whole (xxh3-128,
-  `files.py`) once per node; the digest is remembered by the file's (device, inode,
-  size, mtime_ns, ctime_ns) in the user's cache directory (`digest_cache.py`), so a
-  restart costs a `stat` per file.
+  those names are used once this node has read each blob and found it to be what its
+  name says (remembered by the blob's content key: a restart reads nothing). Any other
+  file is hashed whole (xxh3-128, `files.py`) once per node; the digest is remembered
+  by the file's (device, inode, size, mtime_ns, ctime_ns) in the user's cache directory
+  (`digest_cache.py`), so a restart costs a `stat` per file.
 - `full`: every byte of every file hashed at every start; no names, no remembered
   digests (for filesystems whose inode metadata cannot be trusted).
 - `sampled`: sizes and a fixed sample of each large file's bytes (`sampled.py`); misses
@@ -50,7 +51,7 @@ import xxhash
 
 from kvstrata.identity.digest_cache import DigestCache
 from kvstrata.identity.files import FileChanged, checkpoint_files, content_key, hash_files
-from kvstrata.identity.hub import hub_snapshot
+from kvstrata.identity.hub import VERIFIED_NAME_FORMAT, hub_snapshot, verify_names
 from kvstrata.identity.sampled import WHOLE_FILE_BYTES, sampled_digest, sampled_ranges
 
 __all__ = [
@@ -157,12 +158,15 @@ def fingerprint(root: str | Path, mode: str = EXACT, cache: DigestCache | None =
     else:
         snapshot = hub_snapshot(root) if mode == EXACT else None
         cache = (cache or DigestCache()) if mode == EXACT else None
-        to_hash = []
+        to_hash, claims = [], {}
         for path in files:
             found = snapshot.content_name(path) if snapshot is not None else None
-            if found is not None:
-                tags[path] = (found[1], found[0])
-                named += 1
+            if found is not None and cache is not None:
+                if cache.get(content_key(path.stat()), VERIFIED_NAME_FORMAT) == found[0]:
+                    tags[path] = (found[1], found[0])  # this very blob version was read and matched
+                    named += 1
+                else:
+                    claims[path] = found[0]
                 continue
             if cache is not None:
                 key = content_key(path.stat())
@@ -172,6 +176,14 @@ def fingerprint(root: str | Path, mode: str = EXACT, cache: DigestCache | None =
                     remembered += 1
                     continue
             to_hash.append(path)
+        for path, (matches, key, read) in verify_names(claims.items()).items():
+            hashed_bytes += read
+            if not matches:
+                to_hash.append(path)  # not what its name says: an edited blob, hashed as a plain file
+                continue
+            tags[path] = (key[2], claims[path])
+            named += 1
+            cache.put(key, claims[path], VERIFIED_NAME_FORMAT)
         for path, hashed in hash_files(to_hash).items():
             tags[path] = (hashed.size, f"xxh3:{hashed.digest}")
             hashed_bytes += hashed.size

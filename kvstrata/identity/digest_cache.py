@@ -59,36 +59,39 @@ class DigestCache:
         self._clock = clock
         self._writable = True
 
-    def _entry(self, key: ContentKey) -> Path:
-        name = hashlib.blake2b(f"{FORMAT} {' '.join(map(str, key))}".encode(), digest_size=16).hexdigest()
+    def _entry(self, key: ContentKey, kind: str) -> Path:
+        name = hashlib.blake2b(f"{kind} {' '.join(map(str, key))}".encode(), digest_size=16).hexdigest()
         return self.directory / name
 
-    def get(self, key: ContentKey) -> str | None:
-        """The digest recorded for exactly this version of a file, or None."""
+    def get(self, key: ContentKey, kind: str = FORMAT) -> str | None:
+        """The digest (or, for another `kind`, the value) recorded for exactly this
+        version of a file, or None."""
         try:
-            with open(self._entry(key), encoding="utf-8") as handle:
+            with open(self._entry(key, kind), encoding="utf-8") as handle:
                 entry = json.load(handle)
         except (OSError, ValueError):
             return None
-        if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != list(key):
+        if not isinstance(entry, dict) or entry.get("format") != kind or entry.get("key") != list(key):
             return None
         digest = entry.get("digest")
         return digest if isinstance(digest, str) else None
 
-    def put(self, key: ContentKey, digest: str) -> bool:
+    def put(self, key: ContentKey, digest: str, kind: str = FORMAT) -> bool:
         """Record `digest` for `key` unless the file changed too recently to be trusted
-        (see RACY_SECONDS) or the directory is not writable. Returns whether it was kept."""
+        (see RACY_SECONDS) or the directory is not writable. Returns whether it was kept.
+        `kind` names what the value is (a file digest by default; `hub.py` keeps
+        verified names)."""
         newest_change = max(key[3], key[4]) / 1e9
         if not self._writable or self._clock() - newest_change < RACY_SECONDS:
             return False
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            payload = json.dumps({"format": FORMAT, "key": list(key), "digest": digest})
+            payload = json.dumps({"format": kind, "key": list(key), "digest": digest})
             fd, temporary = tempfile.mkstemp(dir=self.directory, prefix=".entry-")
             try:
                 with os.fdopen(fd, "w", encoding="utf-8") as handle:
                     handle.write(payload)
-                os.replace(temporary, self._entry(key))
+                os.replace(temporary, self._entry(key, kind))
             except BaseException:
                 os.unlink(temporary)
                 raise
