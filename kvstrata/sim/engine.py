@@ -222,17 +222,16 @@ class SimEngine:
 
     @contextmanager
     def calls_in(self):
-        """Around every call into `WeightGenerations`: its retiring thread is an event, and
-        it follows this engine's vLLM version's reset order."""
+        """Around every call into `WeightGenerations`: its retiring thread is an event."""
         if not self.generations:
             yield
             return
-        saved = weight_updates.threading, weight_updates.HAS_RESET_FLUSHED
-        weight_updates.threading, weight_updates.HAS_RESET_FLUSHED = _SimThreading(self), self.flush_signal
+        saved = weight_updates.threading
+        weight_updates.threading = _SimThreading(self)
         try:
             yield
         finally:
-            weight_updates.threading, weight_updates.HAS_RESET_FLUSHED = saved
+            weight_updates.threading = saved
 
     # --- what the world asks of it ------------------------------------------------------------
 
@@ -252,7 +251,7 @@ class SimEngine:
             self._report()
             scheduled = [chosen for req in list(self.waiting) if (chosen := self._schedule(req)) is not None]
             finished = [req for req in self.running if req.scheduled_step < self.step_no and not req.loads]
-            again = [req for req in self.running if req.reoffload and req not in finished]
+            again = [req for req in self.running if req.reoffload]  # (those finishing now ran at this schedule)
             new = [req.id for req, _ in scheduled]
             preempted, self.preempted = tuple(self.preempted), []
             self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=new, preempted_req_ids=preempted))

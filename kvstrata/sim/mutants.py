@@ -16,6 +16,7 @@ ARENA = "kvstrata/tiers/arena.py"
 PINS = "kvstrata/connector/pins.py"
 INBOX = "kvstrata/connector/inbox.py"
 MANAGER = "kvstrata/connector/manager.py"
+GENERATIONS = "kvstrata/connector/weight_updates.py"
 
 MUTANTS: list[Mutant] = [
     # --- issue #37, the control protocol (7659a2b) -----------------------------------------
@@ -110,5 +111,20 @@ MUTANTS: list[Mutant] = [
         "if False:",
         "f85075c: commits an engine sent before it heard of a purge are not indexed after it (seed 1220)",
         "random:100000",
+    ),
+    # --- issue #51 (53836f8) ------------------------------------------------------------------
+    Mutant(
+        "generation-retires-after-flush", GENERATIONS,
+        "settled = _reset_settled(manager)  # read before the step: the request below carries the unpins",
+        "settled = True",
+        "53836f8: an old generation retires only once vLLM flushed its reset's jobs (#51 finding 1)",
+        "scenario:generation-retires-before-flush",
+    ),
+    Mutant(
+        "spanning-request-stores-nothing", GENERATIONS,
+        "if req_context.req_id in self._spanning:",
+        "if False:",
+        "53836f8: a request running across a reset stores nothing in the new generation (#51 finding 3)",
+        "scenario:request-spans-weight-update",
     ),
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,34 +113,43 @@ class PurgeWatch:
     jobs: set[int]
 
 
-class _Swallowed(logging.Handler):
+class _Swallowed:
     """Records what the store's loggers report with an exception while a job runs: a
-    background job that catches its own failure and logs it hid a bug from the checks."""
+    background job that catches its own failure and logs it hid a bug from the checks.
+    (Each `kvstrata.*` logger's `exception`, and `error` / `warning` with `exc_info`, are
+    shadowed on the instance for the job's length: no logging configuration changes.)"""
+
+    METHODS = ("exception", "error", "warning")
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-        self._logger = logging.getLogger("kvstrata")
+        self.records: list[tuple[BaseException | None, str]] = []
+        self._loggers = [
+            log for name, log in logging.root.manager.loggerDict.items()
+            if name.startswith("kvstrata") and isinstance(log, logging.Logger)
+        ]  # fmt: skip
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.exc_info and record.exc_info[1] is not None:
-            self.records.append(record)
+    def _recorder(self, method: str):
+        def record(msg, *args, exc_info=None, **kwargs) -> None:
+            if method == "exception" or exc_info:
+                try:
+                    text = str(msg) % args if args else str(msg)
+                except (TypeError, ValueError):
+                    text = str(msg)
+                self.records.append((sys.exc_info()[1], text))
+
+        return record
 
     def __enter__(self) -> "_Swallowed":
-        log = self._logger
-        self._saved = logging.root.manager.disable, log.propagate, log.level
-        logging.disable(logging.NOTSET)
-        log.propagate = False
-        log.setLevel(logging.WARNING)
-        log.addHandler(self)
+        self.records = []
+        for log in self._loggers:
+            for method in self.METHODS:
+                setattr(log, method, self._recorder(method))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        log = self._logger
-        log.removeHandler(self)
-        disable, log.propagate, level = self._saved
-        log.setLevel(level)
-        logging.disable(disable)
+        for log in self._loggers:
+            for method in self.METHODS:
+                log.__dict__.pop(method, None)
 
 
 class World:
@@ -170,6 +180,7 @@ class World:
         self._set_layout()
         self.prompts = self._make_prompts()
         self.store: NodeStore = self._start_store()
+        self._swallowed = _Swallowed()  # (after the store: its modules' loggers exist)
         self.incarnations = [0] * config.engines
         self.engines = [self._start_engine(i) for i in range(config.engines)]
 
@@ -490,12 +501,12 @@ class World:
             job = next(j for j in self.jobs.pending.values() if j.owner is job.owner)
         del self.jobs.pending[job.id]
         before = set(self.jobs.pending)
-        with _Swallowed() as swallowed:
+        with self._swallowed as swallowed:
             exc = job.run()
         if exc is not None:
             self.violation(f"background job {job.name} raised {exc!r}")
-        for record in swallowed.records:
-            self.violation(f"background job {job.name} swallowed {record.exc_info[1]!r} ({record.getMessage()})")
+        for error, message in swallowed.records:
+            self.violation(f"background job {job.name} swallowed {error!r} ({message})")
         spawned = set(self.jobs.pending) - before  # (a bucket purge waits for the uploads before it)
         for watch in self.purges:
             if job.id in watch.jobs:
