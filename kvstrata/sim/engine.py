@@ -103,6 +103,7 @@ class SimClient:
             if self.engine.alive and "already registered" in str(exc):
                 self.world.violation(f"{holder}: locked out of its own holder name ({exc})")
             raise
+        self.world.heard[holder] = self.world.clock()  # (registering starts its lease)
         if self.lose_next_registration:
             self.lose_next_registration = False
             raise TimeoutError("simulated: the registration was applied, its answer lost")
@@ -286,6 +287,8 @@ class SimEngine:
             self.manager.reset_cache()
         current = self.current
         if self.generations:
+            for req in self.waiting:  # a new manager: its bound on waiting for a silent store starts again
+                req.waiting_since = None
             self.weights = current.namespace if current is not None else f"{self.holder}-misses-{self.resets}"
 
     def pause(self, seconds: float) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvstrata.actors.cascade import CASCADE, UPLOAD
 from kvstrata.actors.promotion import PROMOTE
+from kvstrata.actors.store_control import STALL_SECONDS
 from kvstrata.keys import key_name
 
 # The world (world.py) and its engines (engine.py) import this module: named, not imported.
@@ -78,6 +79,19 @@ def check_store_write(world: World, engine: SimEngine, copy: Copy) -> None:
                 f"{copy.holder}: its worker writes slot {slot}, released and reserved for it again since the store "
                 f"was prepared (reservation {reservation}, now {world.reservation_of(copy.path, slot)})"
             )
+
+
+def check_expiry(world: World, holder: str) -> None:
+    """The store ends a live engine's lease only after a lease of silence: its own stalls
+    (calls longer than `STALL_SECONDS`) do not count against the engine, which could not
+    renew meanwhile (without that, every engine loses its pins and stock after a stall)."""
+    live = any(engine.alive and m.holder == holder for engine in world.engines for m in engine.live_managers())
+    heard = world.heard.get(holder)
+    if not live or heard is None:
+        return
+    silent = world.clock() - heard - world.stall_seconds_since(heard, longer_than=STALL_SECONDS)
+    if silent < world.config.lease_seconds - 1e-6:
+        world.violation(f"the store ended the lease of {holder} after {silent:.2f} s of its silence, less than a lease")
 
 
 def check_wait(world: World, engine: SimEngine, req: Request) -> None:

@@ -110,7 +110,7 @@ MUTANTS: list[Mutant] = [
         "if committed and self._purged_since(namespace, heard.get(namespace, self._generation(namespace))):",
         "if False:",
         "f85075c: commits an engine sent before it heard of a purge are not indexed after it (seed 1220)",
-        "random:100000",
+        "scenario:late-commit-after-purge",
     ),
     # --- issue #51 (53836f8) ------------------------------------------------------------------
     Mutant(

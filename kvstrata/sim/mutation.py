@@ -3,7 +3,8 @@
 A mutant (`mutants.py`) names a file of the package, the exact text of one line in it
 (indentation aside), the line that replaces it (the same indentation), the fix it
 reverts, and what finds it: a directed scenario (`scenario:<name>`, scenarios.py) or
-random runs (`random:<events>`: seeds 0, 1, ... for at most that many events in all).
+random runs (`random:<events>[@<seed>]`: seeds from 0, or the one named, for at most that
+many events in all, `PER_SEED_EVENTS` a seed).
 
 `run` copies the package to a scratch directory per mutant (removed afterwards), applies
 the one-line change there and runs the finder on the copy in a child process. The
@@ -101,7 +102,8 @@ def find(finder: str) -> tuple[list[str], int]:
     if kind != "random":
         raise ValueError(f"unknown finder {finder!r}")
     explore = importlib.import_module("kvstrata.sim.explore")
-    budget, events, seed = int(arg), 0, 0
+    budget, seed = _random_range(arg)
+    events = 0
     while events < budget:
         result = explore.run_seed(seed, min(PER_SEED_EVENTS, budget - events))
         events += result.events
@@ -109,6 +111,22 @@ def find(finder: str) -> tuple[list[str], int]:
             return [f"seed {seed}: {result.violations[0]}"], events
         seed += 1
     return [], events
+
+
+def _random_range(arg: str) -> tuple[int, int]:
+    """`<events>[@<first seed>]` -> (events, first seed)."""
+    events, _, seed = arg.partition("@")
+    return int(events), int(seed or 0)
+
+
+def _control_random(finders: list[str]) -> str | None:
+    """One random finder from seed 0 covering every seed and event the mutants' random finders run."""
+    ends = []
+    for finder in finders:
+        if finder.startswith("random:"):
+            events, seed = _random_range(finder.split(":", 1)[1])
+            ends.append(seed * PER_SEED_EVENTS + events)
+    return f"random:{max(ends)}" if ends else None
 
 
 def _child(root: str, finders: list[str], conn) -> None:
@@ -152,10 +170,9 @@ def run(mutants: list[Mutant], jobs: int = 2, timeout_s: float = 240.0, report=p
     importlib.import_module("kvstrata.connector.compat")
     context = multiprocessing.get_context("fork")
     finders = sorted({m.finder for m in mutants}, key=lambda f: (f.startswith("random"), f))
-    random_budget = max((int(f.split(":")[1]) for f in finders if f.startswith("random:")), default=0)
     control_finders = [f for f in finders if not f.startswith("random:")]
-    if random_budget:
-        control_finders.append(f"random:{random_budget}")
+    if _control_random(finders):
+        control_finders.append(_control_random(finders))
     todo: list[tuple[str, Mutant | None, list[str]]] = [(CONTROL, None, control_finders)]
     todo += [(m.name, m, [m.finder]) for m in mutants]
     outcomes: list[Outcome] = []

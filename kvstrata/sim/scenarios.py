@@ -302,7 +302,30 @@ def request_spans_weight_update() -> list[str]:
     return _run(config, story)
 
 
+def late_commit_after_purge() -> list[str]:
+    """The long run's finding (seed 1220, fixed in f85075c). Engine 0 stores a prompt's
+    chunks; the call carrying their commits is sent and the engine crashes before the
+    store applies it. A weight update moves the engines to a new namespace and purges the
+    old one. Then Ray delivers the crashed engine's call: its commits are of chunks
+    stored before the purge, and indexing them puts the purged namespace's chunks back."""
+
+    def story(s: Script) -> None:
+        s.do("arrive", 0, 2)
+        s.step(0)  # computed: its stores prepared
+        s.land(0)
+        s.step(0, settle=False)  # complete_store: the commits queued
+        assert s.do("send", 0)  # ... and sent, not applied yet
+        s.do("crash", 0)
+        s.do("update_weights")
+        s.do("deliver", 0, 0)  # the crashed engine's call, applied after the purge
+        s.jobs()
+
+    config = SimConfig(engines=1, arena_slots=16, reserve_slots=4, purge_and_disk_races=True, **QUIET)
+    return _run(config, story)
+
+
 SCENARIOS: dict[str, Callable[[], list[str]]] = {
+    "late-commit-after-purge": late_commit_after_purge,
     "generation-retires-before-flush": generation_retires_before_flush,
     "request-spans-weight-update": request_spans_weight_update,
     "unpin-overtakes-hold": unpin_overtakes_hold,

@@ -234,6 +234,15 @@ class World:
             store.object._pool.shutdown(wait=True)
             store.object._pool = InlineExecutor()
         self.arenas[store.arena.epoch] = store.arena
+        leases, take_expired = store.arena.leases, store.arena.leases.take_expired
+
+        def expiring() -> list[str]:  # every lease the store ends, checked (`invariants.check_expiry`)
+            expired = take_expired()
+            for holder in expired:
+                invariants.check_expiry(self, holder)
+            return expired
+
+        leases.take_expired = expiring
         return store
 
     def _executor(self, role: str, threads: int) -> SimExecutor:
@@ -414,7 +423,6 @@ class World:
 
     def _deliver(self, call: Call) -> None:
         call.deliveries += 1
-        self.heard[call.request.holder] = self.clock()
         try:
             reply = self.store.step(call.request)
         except Exception as exc:  # noqa: BLE001 - the store's answer is an error: the channel sees it
@@ -423,6 +431,8 @@ class World:
         call.reply = reply if call.reply is None else call.reply
         self.served_at = self.clock()
         applied = reply is not None and reply.epoch == call.request.epoch and not reply.stale and not reply.rejected
+        if applied:  # the store renewed the holder's lease
+            self.heard[call.request.holder] = self.clock()
         if call.request.purge and applied:  # settled once every job in flight now (its own included) ran
             self.purges.append(PurgeWatch(call.request.namespace, set(self.jobs.pending)))
         if call.state == PENDING:
@@ -667,5 +677,5 @@ class World:
     def check(self) -> None:
         invariants.check_world(self)
 
-    def stall_seconds_since(self, since: float) -> float:
-        return sum(stall.seconds for stall in self.stalls if stall.at + stall.seconds >= since)
+    def stall_seconds_since(self, since: float, longer_than: float = 0.0) -> float:
+        return sum(s.seconds for s in self.stalls if s.at + s.seconds >= since and s.seconds > longer_than)
