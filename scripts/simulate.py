@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--only", action="append", default=[], help="with --mutants: run this mutant only (repeatable)")
     parser.add_argument("--jobs", type=int, default=2, help="with --mutants: mutants run at once (default 2)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="with --mutants: seconds one mutant may run")
     return parser
 
 
@@ -127,7 +128,7 @@ def run_mutants(args: argparse.Namespace) -> int:
         print(f"unknown mutants: {', '.join(sorted(unknown))}")
         return 2
     started = time.perf_counter()
-    outcomes = mutation.run(chosen, jobs=args.jobs, report=lambda line: print(line, flush=True))
+    outcomes = mutation.run(chosen, jobs=args.jobs, timeout_s=args.timeout, report=lambda line: print(line, flush=True))
     found = sum(o.status == "found" for o in outcomes)
     print(f"{found} of {len(chosen)} mutants found; {time.perf_counter() - started:.0f} s")
     return 0 if mutation.passed(outcomes) else 1

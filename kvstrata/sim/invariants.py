@@ -5,17 +5,25 @@
   (`check_hit`, `check_load`). A key's bytes are a function of the key and the namespace's
   generation (`World.expected`): every engine computes the same.
 - *One owner*: a worker writes only into slots its engine holds reserved under its current
-  registration, in the live store's arena (`check_store_write`): else two owners write one
-  slot.
+  registration, in the live store's arena, under the very reservation it was prepared in
+  (each slot's reservations are numbered: `World.reservation_of`), and nothing writes a
+  slot a load in flight reads (`check_store_write`, `World.write`): else two owners write
+  one slot.
+- *Leases*: the store ends a live engine's lease only after a lease of that engine's
+  silence, its own long calls not counted (`check_expiry`).
 - *No leaks*: every slot the store holds reserved or pinned for an engine is one that engine
   knows it holds (or will learn of from an answer on its way), or it is released within one
   lease (plus the store's own stalls) -- also after the engine crashed (`check_holdings`).
 - *Bounded waits*: a request never waits more than a few of its engine's steps on a store
   that has not answered since it began to wait (`check_wait`).
-- The disk index and its records agree (`check_disk`), and once a purge's work in flight
+- The disk index and its records agree, every record counted once (free + indexed +
+  being written = allocated) (`check_disk`), and once a purge's work in flight
   has run, no tier holds anything of the namespace it purged, unless engines still serve it
   (`check_purges`; a weight update, with `purge_and_disk_races`, moves the engines to a new
   namespace and purges the old).
+
+Also violations (world.py): an exception out of any call into a manager (it would raise
+into vLLM), and a background job that raises or swallows an exception it logs.
 
 A violation is recorded on the world (`World.violation`), never raised: the run stops at the
 first and shrinks its trace.

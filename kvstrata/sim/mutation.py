@@ -24,7 +24,9 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import shutil
+import signal
 import sys
+import threading
 import tempfile
 import time
 import traceback
@@ -177,6 +179,8 @@ def run(mutants: list[Mutant], jobs: int = 2, timeout_s: float = 240.0, report=p
     todo += [(m.name, m, [m.finder]) for m in mutants]
     outcomes: list[Outcome] = []
     running: list[_Running] = []
+    # A SIGTERM (a CI timeout) ends the run through `finally`: children killed, copies removed.
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
         while todo or running:
             while todo and len(running) < jobs:
@@ -205,7 +209,13 @@ def run(mutants: list[Mutant], jobs: int = 2, timeout_s: float = 240.0, report=p
             job.process.kill()
             job.process.join(5)
             shutil.rmtree(job.root, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return outcomes
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _collect(job: _Running) -> Outcome | None:
