@@ -120,10 +120,10 @@ def main() -> int:
 def run_mutants(args: argparse.Namespace) -> int:
     """Each mutant on a scratch copy in a child process; exit 1 unless all are found and the control is clean."""
     from kvstrata.sim import mutation
-    from kvstrata.sim.mutants import MUTANTS
+    from kvstrata.sim.mutants import MUTANTS, UNFOUND
 
-    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
-    unknown = set(args.only) - {m.name for m in MUTANTS}
+    chosen = [m for m in MUTANTS + UNFOUND if m.name in args.only] if args.only else MUTANTS
+    unknown = set(args.only) - {m.name for m in MUTANTS + UNFOUND}
     if unknown:
         print(f"unknown mutants: {', '.join(sorted(unknown))}")
         return 2

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstrata.sim import mutation
-from kvstrata.sim.mutants import MUTANTS
+from kvstrata.sim.mutants import MUTANTS, UNFOUND
 from kvstrata.sim.mutation import Mutant, mutate, scratch_copy
 
 CI_EVENTS = 100_000  # the most events a random finder may need
@@ -35,11 +35,11 @@ def test_a_line_that_moved_or_repeats_is_stale_not_found():
 
 
 def test_every_mutant_names_a_line_of_the_code_and_a_finder_within_the_ci_budget():
-    names = [mutant.name for mutant in MUTANTS]
+    names = [mutant.name for mutant in MUTANTS + UNFOUND]
     assert len(names) == len(set(names))
     from kvstrata.sim.scenarios import SCENARIOS
 
-    for mutant in MUTANTS:
+    for mutant in MUTANTS + UNFOUND:
         root, why = scratch_copy(mutant)
         assert root is not None, f"{mutant.name} is stale: {why}"
         shutil.rmtree(root)
