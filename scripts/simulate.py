@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --minutes 1 [--seed 7]
     PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --replay trace.json
     PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --scenarios
+    PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --mutants [--only NAME]
 
 Seeds run one after another from `--seed` (each draws its own world: 1-3 engines, tier
 policies, sizes) for at most `--events-per-seed` actions, until `--minutes` (or `--events`)
@@ -13,6 +14,10 @@ always `N events, E events/s, V violations`.
 
 `--scenarios` runs the fixed interleavings of the issue's findings instead
 (kvstrata/sim/scenarios.py) and prints what each violates (nothing, once fixed).
+`--mutants` runs the mutation check (kvstrata/sim/mutation.py): each protocol fix of
+kvstrata/sim/mutants.py reverted by one line in a scratch copy of the package, the
+simulation run on it in a child process; every mutant must be found and the unmutated
+copy must keep every invariant (a mutant whose line moved is reported `stale`).
 Iteration over sets of bytes depends on PYTHONHASHSEED: the script fixes it (re-executing
 itself) so a trace replays the same in any process.
 """
@@ -45,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--replay", help="a trace printed by a failing run (a file, or the JSON itself)")
     parser.add_argument("--scenarios", action="store_true", help="run the fixed interleavings of issue #37")
+    parser.add_argument(
+        "--mutants", action="store_true",
+        help="the mutation check: each protocol fix reverted (kvstrata/sim/mutants.py) must be found",
+    )  # fmt: skip
+    parser.add_argument("--only", action="append", default=[], help="with --mutants: run this mutant only (repeatable)")
+    parser.add_argument("--jobs", type=int, default=2, help="with --mutants: mutants run at once (default 2)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="with --mutants: seconds one mutant may run")
     return parser
 
 
@@ -54,8 +66,10 @@ def main() -> int:
 
     from kvstrata.sim.explore import replay, run_seed, shrink
     from kvstrata.sim.scenarios import SCENARIOS
-    from kvstrata.sim.world import SimConfig
+    from kvstrata.sim.world import config_from_json
 
+    if args.mutants:
+        return run_mutants(args)
     if args.scenarios:
         failed = 0
         for name, scenario in SCENARIOS.items():
@@ -67,7 +81,7 @@ def main() -> int:
     if args.replay:
         text = Path(args.replay).read_text() if os.path.exists(args.replay) else args.replay
         trace = json.loads(text)
-        config = SimConfig(**{**trace["config"], "flush_signal": tuple(trace["config"]["flush_signal"])})
+        config = config_from_json(trace["config"])
         started = time.perf_counter()
         violations = replay(config, [tuple(action) for action in trace["actions"]])
         seconds = time.perf_counter() - started
@@ -101,6 +115,23 @@ def main() -> int:
     print(f"seeds {args.seed}..{seed - 1}")
     print(f"{events} events, {events / seconds:.0f} events/s, 0 violations")
     return 0
+
+
+def run_mutants(args: argparse.Namespace) -> int:
+    """Each mutant on a scratch copy in a child process; exit 1 unless all are found and the control is clean."""
+    from kvstrata.sim import mutation
+    from kvstrata.sim.mutants import MUTANTS, UNFOUND
+
+    chosen = [m for m in MUTANTS + UNFOUND if m.name in args.only] if args.only else MUTANTS
+    unknown = set(args.only) - {m.name for m in MUTANTS + UNFOUND}
+    if unknown:
+        print(f"unknown mutants: {', '.join(sorted(unknown))}")
+        return 2
+    started = time.perf_counter()
+    outcomes = mutation.run(chosen, jobs=args.jobs, timeout_s=args.timeout, report=lambda line: print(line, flush=True))
+    found = sum(o.status == "found" for o in outcomes)
+    print(f"{found} of {len(chosen)} mutants found; {time.perf_counter() - started:.0f} s")
+    return 0 if mutation.passed(outcomes) else 1
 
 
 if __name__ == "__main__":

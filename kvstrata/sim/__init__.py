@@ -13,5 +13,7 @@ Outside the layers (like `kvstrata.faults`): it drives the connector, the actors
 tiers from the outside. Modules: `executors` (background jobs as events), `channel` (control
 calls as events), `engine` (a vLLM scheduler and its workers over a manager), `world` (the
 store, the engines and every action), `invariants`, `explore` (random runs, replay,
-shrinking), `scenarios` (fixed interleavings that reproduce the findings of issue #37).
+shrinking), `scenarios` (fixed interleavings that reproduce the findings of issues #37 and
+#51), `mutation` and `mutants` (the mutation check: every protocol fix reverted by one
+line, in a scratch copy, must be found).
 """

@@ -36,6 +36,7 @@ class Call:
     reply: StepReply | None = None
     error: Exception | None = None  # what the store raised instead of answering
     deliveries: int = 0
+    channel: "SimChannel | None" = None  # whose call it is (an engine has one per cache generation in flight)
 
 
 class SimChannel:

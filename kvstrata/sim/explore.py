@@ -27,11 +27,23 @@ from kvstrata.sim.world import SimConfig, World
 Action = tuple
 
 
-def config_for(seed: int, purge_and_disk_races: bool = True) -> SimConfig:
-    """The world a seed runs: 1-3 engines, write policies, arena and disk sizes, reset orders."""
+def config_for(seed: int, purge_and_disk_races: bool = True, reach: bool = True) -> SimConfig:
+    """The world a seed runs: 1-3 engines, write policies, arena and disk sizes, reset orders;
+    with `reach` (issue #51) also which engines are `WeightGenerations` and schedule
+    asynchronously, late copies, and hints."""
     rng = random.Random(f"config-{seed}")
     engines = rng.choice((1, 2, 2, 3))
-    return SimConfig(
+    extra = {}
+    if reach:
+        late = rng.random() < 0.5
+        extra = dict(
+            generations=tuple(rng.random() < 0.5 for _ in range(engines)),
+            async_scheduling=tuple(rng.random() < 0.3 for _ in range(engines)),
+            copy_steps=rng.choice((3, 5)) if late else 2,
+            copy_seconds=1.5 if late else 0.25,  # within half a lease (2 s) of the engine's last answer
+            hints=rng.random() < 0.7,
+        )
+    return SimConfig(**extra,
         engines=engines,
         arena_slots=rng.choice((16, 24, 32)),
         disk_records=rng.choice((16, 32)),
@@ -60,12 +72,21 @@ class Explorer:
             e = engine.index
             if world.clock() >= engine.paused_until:
                 options.append((10.0, lambda e=e: ("step", e)))
-                if engine.channel.awaiting is None:
-                    options.append((8.0, lambda e=e: ("send", e)))
+                idle = [c for c in engine.channels if c.awaiting is None and not c.closed]
+                if idle:
+                    options.append((8.0, lambda e=e, n=len(idle): ("send", e, rng.randrange(n))))
             if len(engine.waiting) < 4:
                 options.append((3.0, lambda e=e: ("arrive", e, rng.randrange(len(world.prompts)))))
             if engine.copies:
                 options.append((4.0, lambda e=e: ("land", e, rng.randrange(1 << 16))))
+                if world.config.hints:  # (the paths of #51 on: failed stores too)
+                    options.append((0.2, lambda e=e: ("fail_copy", e, rng.randrange(1 << 16))))
+            if engine.retirements:
+                options.append((3.0, lambda e=e: ("retire", e, rng.randrange(1 << 16))))
+            if engine.running and world.config.hints:
+                options.append((0.3, lambda e=e: ("preempt", e, rng.randrange(1 << 16))))
+            if world.config.hints:
+                options.append((1.0, lambda e=e: ("hint", e, rng.randrange(4), rng.randrange(len(world.prompts)), rng.randrange(1 << 10))))
             options.append((0.04, lambda e=e: ("pause", e, rng.choice((300, 1500, 3000, 6000, 9000)))))
             options.append((0.02, lambda e=e: ("crash", e)))
             options.append((0.08, lambda e=e: ("reset", e)))

@@ -5,17 +5,25 @@
   (`check_hit`, `check_load`). A key's bytes are a function of the key and the namespace's
   generation (`World.expected`): every engine computes the same.
 - *One owner*: a worker writes only into slots its engine holds reserved under its current
-  registration, in the live store's arena (`check_store_write`): else two owners write one
-  slot.
+  registration, in the live store's arena, under the very reservation it was prepared in
+  (each slot's reservations are numbered: `World.reservation_of`), and nothing writes a
+  slot a load in flight reads (`check_store_write`, `World.write`): else two owners write
+  one slot.
+- *Leases*: the store ends a live engine's lease only after a lease of that engine's
+  silence, its own long calls not counted (`check_expiry`).
 - *No leaks*: every slot the store holds reserved or pinned for an engine is one that engine
   knows it holds (or will learn of from an answer on its way), or it is released within one
   lease (plus the store's own stalls) -- also after the engine crashed (`check_holdings`).
 - *Bounded waits*: a request never waits more than a few of its engine's steps on a store
   that has not answered since it began to wait (`check_wait`).
-- The disk index and its records agree (`check_disk`), and once a purge's work in flight
+- The disk index and its records agree, every record counted once (free + indexed +
+  being written = allocated) (`check_disk`), and once a purge's work in flight
   has run, no tier holds anything of the namespace it purged, unless engines still serve it
   (`check_purges`; a weight update, with `purge_and_disk_races`, moves the engines to a new
   namespace and purges the old).
+
+Also violations (world.py): an exception out of any call into a manager (it would raise
+into vLLM), and a background job that raises or swallows an exception it logs.
 
 A violation is recorded on the world (`World.violation`), never raised: the run stops at the
 first and shrinks its trace.
@@ -28,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.store.cascade import CASCADE, UPLOAD
+from kvstrata.store.control import STALL_SECONDS
 from kvstrata.store.promotion import PROMOTE
 from kvstrata.keys import key_name
 
@@ -44,19 +53,19 @@ def _matches(view: np.ndarray | None, expected: bytes) -> bool:
 
 
 def check_hit(world: World, engine: SimEngine, key: bytes) -> None:
-    manager = engine.manager
-    pin = manager._pinned.get(key)
+    manager = engine.current
+    pin = manager._pinned.get(key) if manager is not None else None
     if pin is None:
         world.violation(f"{engine.holder}: HIT on {key_name(key)} with no pin")
         return
     view = world.view(manager._geometry.path_template, pin.slot)
-    if not _matches(view, world.expected(key)):
+    if not _matches(view, world.expected(key, manager.namespace)):
         world.violation(f"{engine.holder}: HIT on {key_name(key)} names slot {pin.slot}, which holds other bytes")
 
 
 def check_load(world: World, engine: SimEngine, copy: Copy) -> None:
     for key, slot in zip(copy.keys, copy.slots):
-        if not _matches(world.view(copy.path, slot), world.expected(key, copy.generation)):
+        if not _matches(world.view(copy.path, slot), world.expected(key, copy.weights)):
             world.violation(f"{engine.holder}: load of {key_name(key)} read slot {slot}, which holds other bytes")
 
 
@@ -65,14 +74,32 @@ def check_store_write(world: World, engine: SimEngine, copy: Copy) -> None:
     pool = next((p for p in store.arena.pools.values() if p.geometry.path_template == copy.path), None)
     if pool is None:
         return  # the slots of a dead store's arena: nobody else writes there any more
-    bound = store._holders.get(engine.holder)
-    for slot in copy.slots:
+    bound = store._holders.get(copy.holder)
+    for slot, reservation in zip(copy.slots, copy.reservations):
         owner = pool._reserved.get(slot)
-        if owner != engine.holder or bound != copy.epoch:
+        if owner != copy.holder or bound != copy.epoch:
             world.violation(
-                f"{engine.holder}: its worker writes slot {slot} (prepared in epoch {copy.epoch[:8]}), which the store "
+                f"{copy.holder}: its worker writes slot {slot} (prepared in epoch {copy.epoch[:8]}), which the store "
                 f"holds for {owner or 'nobody'} (the engine's registration: {(bound or 'none')[:8]})"
             )
+        elif world.reservation_of(copy.path, slot) != reservation:
+            world.violation(
+                f"{copy.holder}: its worker writes slot {slot}, released and reserved for it again since the store "
+                f"was prepared (reservation {reservation}, now {world.reservation_of(copy.path, slot)})"
+            )
+
+
+def check_expiry(world: World, holder: str) -> None:
+    """The store ends a live engine's lease only after a lease of silence: its own stalls
+    (calls longer than `STALL_SECONDS`) do not count against the engine, which could not
+    renew meanwhile (without that, every engine loses its pins and stock after a stall)."""
+    live = any(engine.alive and m.holder == holder for engine in world.engines for m in engine.live_managers())
+    heard = world.heard.get(holder)
+    if not live or heard is None:
+        return
+    silent = world.clock() - heard - world.stall_seconds_since(heard, longer_than=STALL_SECONDS)
+    if silent < world.config.lease_seconds - 1e-6:
+        world.violation(f"the store ended the lease of {holder} after {silent:.2f} s of its silence, less than a lease")
 
 
 def check_wait(world: World, engine: SimEngine, req: Request) -> None:
@@ -86,10 +113,10 @@ def check_wait(world: World, engine: SimEngine, req: Request) -> None:
         )
 
 
-def known_slots(world: World, engine: SimEngine) -> set[int]:
-    """The slots `engine` knows the store holds for it (reserved or pinned), or will learn of:
-    its own state, what it queued or sent, and answers on their way back to it."""
-    m = engine.manager
+def known_slots(world: World, m) -> set[int]:
+    """The slots manager `m` (an engine's, of one generation) knows the store holds for it
+    (reserved or pinned), or will learn of: its own state, what it queued or sent, and
+    answers on their way back to it."""
     slots: set[int] = set(m._stock) | set(m._storing.values()) | set(m._out_release) | set(m._out_unpin)
     slots.update(m._reset_pins)
     slots.update(getattr(m, "_reset_releases", ()))
@@ -100,15 +127,15 @@ def known_slots(world: World, engine: SimEngine) -> set[int]:
         slots.update(_request_slots(request))
         slots.update(getattr(payload, "reserved", ()) or ())
         slots.update((getattr(payload, "pinned", None) or {}).values())
-    outbox = engine.channel.outbox
+    outbox = m._channel.outbox
     for request in (outbox.queued, outbox.sent):
         if request is not None:
             slots.update(_request_slots(request))
     for call in world.calls.values():
-        if call.engine == engine.index and call.reply is not None and (call.awaited or call.state != "done"):
+        if call.channel is m._channel and call.reply is not None and (call.awaited or call.state != "done"):
             slots.update(call.reply.reserved)
             slots.update(call.reply.pinned.values())
-    session = getattr(world.store, "_sessions", {}).get(engine.holder)
+    session = getattr(world.store, "_sessions", {}).get(m.holder)
     if session is not None and session.reply is not None and outbox.sent is not None and outbox.sent.rid == session.rid:
         slots.update(session.reply.reserved)  # applied, its answer lost: the resend brings it back
         slots.update(session.reply.pinned.values())
@@ -123,7 +150,7 @@ def check_holdings(world: World) -> None:
     """Every slot held for an engine is known to it, or released within one lease."""
     now = world.clock()
     lease = world.config.lease_seconds
-    live = {engine.holder: engine for engine in world.engines if engine.alive}
+    live = {m.holder: m for engine in world.engines if engine.alive for m in engine.live_managers()}
     known: dict[str, set[int]] = {}
     still: dict[tuple[str, int], float] = {}
     held = []
@@ -153,11 +180,21 @@ def check_holdings(world: World) -> None:
 
 
 def check_disk(world: World) -> None:
+    """The disk index and its records agree, and every record is counted once: free,
+    indexed, or being written (free + indexed + writing = allocated)."""
     disk = world.store.disk
     if disk is None:
         return
     with disk._lock:
         for namespace, slab in disk._slabs.items():
+            free, indexed, writing = set(slab.free), set(slab.index.values()), set(slab.writing.values())
+            allocated = slab.num_records - slab.growing
+            counted = len(slab.free) + len(indexed | writing)
+            if counted != allocated or len(free) != len(slab.free) or free & (indexed | writing):
+                world.violation(
+                    f"disk records of {namespace}: {len(slab.free)} free + {len(indexed)} indexed + "
+                    f"{len(writing - indexed)} being written != {allocated} allocated"
+                )
             for key, record in slab.index.items():
                 if slab.key_of.get(record) != key:
                     world.violation(f"disk index of {namespace}: {key_name(key)} -> record {record}, which names another key")

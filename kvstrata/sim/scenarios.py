@@ -59,6 +59,17 @@ class Script:
                 return
             self.round_trip(e)
 
+    def settle_all(self, e: int) -> None:
+        """Round trips on every channel of the engine (its cache generations in flight) until all are quiet."""
+        for _ in range(16):
+            open_ = [c for c in self.w.engines[e].channels if not c.closed]
+            busy = [i for i, c in enumerate(open_) if c.busy()]
+            if not busy:
+                return
+            assert self.do("send", e, busy[0]), "nothing to send"
+            self.deliver(e)
+            assert self.do("answer", e, 0)
+
     def step(self, e: int, settle: bool = True) -> None:
         assert self.do("step", e)
         if settle:
@@ -238,7 +249,85 @@ def stalled_store_holds_requests() -> list[str]:
     return _run(SimConfig(engines=1, arena_slots=16, reserve_slots=2, **QUIET), story)
 
 
+def generation_retires_before_flush() -> list[str]:
+    """Issue #51, finding 1. Engine 0 runs vLLM 0.32's order under `WeightGenerations`: a
+    request HITs K and its load is in flight (a late copy) when a connector reset starts a
+    new generation. vLLM flushes that load during the next step's execution; the old
+    generation must keep K's slot pinned until that step has ended. Retired right after the
+    step's schedule (its `release_holder`), the slot goes back, another node's burst takes
+    and overwrites it, and the load reads the new owner's bytes."""
+
+    def story(s: Script) -> None:
+        s.store_prompt(0, 0)
+        s.do("arrive", 0, 0)
+        s.step(0)  # HIT from the mirror: the hold pins K's slot, the load is in flight
+        s.do("reset", 0)
+        s.settle_all(0)
+        s.step(0, settle=False)  # the step whose execution flushes the load
+        s.settle_all(0)
+        while s.do("retire", 0, 0):  # the old generation's retiring thread, if it was started
+            pass
+        s.tick(0.05)
+        s.do("crowd", s.w.config.arena_slots)
+        s.land(0)
+
+    config = SimConfig(engines=1, arena_slots=8, reserve_slots=2, generations=(True,), copy_steps=5, copy_seconds=1.5, **QUIET)
+    return _run(config, story)
+
+
+def request_spans_weight_update() -> list[str]:
+    """Issue #51, finding 3. A request of engine 0 (`WeightGenerations`) has computed its
+    chunks with the old weights and still runs when a connector reset (a weight update)
+    comes; vLLM 0.32 offloads a running request's chunks again after the reset, from
+    chunk 0. Stored in the new generation, they are the old weights' KV under the new
+    weights' name: the next request of that prompt HITs them."""
+
+    def story(s: Script) -> None:
+        s.do("arrive", 0, 5)
+        s.step(0)  # computed with the old weights, its stores prepared
+        s.land(0)
+        s.do("reset", 0)  # the request still runs
+        s.settle_all(0)  # the new generation registered, its stock reserved
+        s.tick(0.05)
+        s.settle_all(0)
+        s.step(0)  # its chunks offloaded again, into the new generation if nothing stops it
+        s.land(0)
+        s.step(0)
+        s.settle_all(0)
+        s.do("arrive", 0, 5)
+        s.step(0)
+        s.land(0)
+
+    config = SimConfig(engines=1, arena_slots=16, reserve_slots=4, generations=(True,), **QUIET)
+    return _run(config, story)
+
+
+def late_commit_after_purge() -> list[str]:
+    """The long run's finding (seed 1220, fixed in f85075c). Engine 0 stores a prompt's
+    chunks; the call carrying their commits is sent and the engine crashes before the
+    store applies it. A weight update moves the engines to a new namespace and purges the
+    old one. Then Ray delivers the crashed engine's call: its commits are of chunks
+    stored before the purge, and indexing them puts the purged namespace's chunks back."""
+
+    def story(s: Script) -> None:
+        s.do("arrive", 0, 2)
+        s.step(0)  # computed: its stores prepared
+        s.land(0)
+        s.step(0, settle=False)  # complete_store: the commits queued
+        assert s.do("send", 0)  # ... and sent, not applied yet
+        s.do("crash", 0)
+        s.do("update_weights")
+        s.do("deliver", 0, 0)  # the crashed engine's call, applied after the purge
+        s.jobs()
+
+    config = SimConfig(engines=1, arena_slots=16, reserve_slots=4, purge_and_disk_races=True, **QUIET)
+    return _run(config, story)
+
+
 SCENARIOS: dict[str, Callable[[], list[str]]] = {
+    "late-commit-after-purge": late_commit_after_purge,
+    "generation-retires-before-flush": generation_retires_before_flush,
+    "request-spans-weight-update": request_spans_weight_update,
     "unpin-overtakes-hold": unpin_overtakes_hold,
     "stale-mirror-after-lease": stale_mirror_after_lease,
     "store-stall-expires-leases": store_stall_expires_leases,

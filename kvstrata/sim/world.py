@@ -28,6 +28,7 @@ from kvstrata.config import load_config
 from kvstrata.keys import Layout, make_key
 from kvstrata.sim import invariants
 from kvstrata.sim.channel import DELIVERED, DONE, PENDING, Call
+from kvstrata.sim.disturbances import Disturbances, PurgeWatch, Stall, Swallowed
 from kvstrata.sim.engine import Copy, SimEngine
 from kvstrata.store.executors import InlineExecutor
 from kvstrata.sim.executors import JobQueue, SimExecutor
@@ -35,7 +36,6 @@ from kvstrata.tiers.arena import Arena
 from kvstrata.tiers.records import HEADER_BYTES
 
 SLOT = 4096
-CROWD = "sim-crowd"  # the holder of `act_crowd`'s slots
 COPY_SECONDS = 0.25  # a worker's copy lands at most this long after it was prepared
 KEEP_DONE_CALLS = 3  # answered calls kept per engine, that the store may be made to apply again
 NAMESPACE_MODEL = "sim-model"
@@ -78,24 +78,25 @@ class SimConfig:
     # work, and that the disk index and its records agree: findings 3 and 4 of issue #37
     # (fixed on the `store-purge` branch). Random runs have them on.
     purge_and_disk_races: bool = False
+    # The paths added for issue #51 (random runs have them on): engines that are vLLM's
+    # `WeightGenerations` (a connector reset is a weight update), async scheduling, late
+    # worker copies, failed stores, preemption, hints (prefetch, pins, retention) from
+    # two tenants, hybrid anchor groups.
+    generations: tuple[bool, ...] = (False,)  # per engine: wrapped in WeightGenerations
+    async_scheduling: tuple[bool, ...] = (False,)  # per engine
+    copy_steps: int = 2  # a copy lands before the engine's step this many after it was prepared
+    copy_seconds: float = COPY_SECONDS  # ... and at most this long after (late copies: up to half a lease)
+    hints: bool = False  # the store's hint calls (prefetch, pin, unpin, retain) as actions
+    tenants: int = 1  # engines of 2 tenants (namespace prefixes) share the node
+    anchors: bool = False  # a hybrid model: group 1 (sliding window) anchored on group 0
 
 
-@dataclass
-class Stall:
-    at: float
-    seconds: float
+def config_from_json(fields: dict) -> SimConfig:
+    """A `SimConfig` as a trace prints it (JSON turned its tuples into lists)."""
+    return SimConfig(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
 
 
-@dataclass
-class PurgeWatch:
-    """A purge of `namespace`, and its work in flight not run yet: the store's jobs queued
-    then (its own included), and the jobs those queue."""
-
-    namespace: str
-    jobs: set[int]
-
-
-class World:
+class World(Disturbances):
     def __init__(self, config: SimConfig, root: str | Path | None = None):
         self.config = config
         self._own_root = root is None
@@ -115,12 +116,15 @@ class World:
         self.purges: list[PurgeWatch] = []
         self.unknown_since: dict[tuple[str, int], float] = {}  # (holder, slot) its engine does not know of
         self.arenas: dict[str, Arena] = {}  # arena epoch -> arena (dead stores' too: old loads read them)
-        self._expected: dict[tuple[bytes, int], bytes] = {}
+        self._expected: dict[tuple[bytes, str], bytes] = {}
+        self.reservations: dict[tuple[str, int], int] = {}  # (pool path, slot) -> times it was reserved
+        self.swallowed: list[str] = []  # exceptions a background job logged and swallowed
         self.raw_config = self._raw_config()
         self.kv_config = load_config(self.raw_config)
         self._set_layout()
         self.prompts = self._make_prompts()
         self.store: NodeStore = self._start_store()
+        self._swallowed = Swallowed()  # (after the store: its modules' loggers exist)
         self.incarnations = [0] * config.engines
         self.engines = [self._start_engine(i) for i in range(config.engines)]
 
@@ -174,6 +178,15 @@ class World:
             store.object._pool.shutdown(wait=True)
             store.object._pool = InlineExecutor()
         self.arenas[store.arena.epoch] = store.arena
+        leases, take_expired = store.arena.leases, store.arena.leases.take_expired
+
+        def expiring() -> list[str]:  # every lease the store ends, checked (`invariants.check_expiry`)
+            expired = take_expired()
+            for holder in expired:
+                invariants.check_expiry(self, holder)
+            return expired
+
+        leases.take_expired = expiring
         return store
 
     def _executor(self, role: str, threads: int) -> SimExecutor:
@@ -185,8 +198,11 @@ class World:
     def _start_engine(self, index: int) -> SimEngine:
         self.incarnations[index] += 1
         holder = f"sim-engine-{index}-{self.incarnations[index]:02d}"
-        flush = self.config.flush_signal[index % len(self.config.flush_signal)]
-        return SimEngine(self, index, holder, flush)
+        c = self.config
+        flush = c.flush_signal[index % len(c.flush_signal)]
+        generations = c.generations[index % len(c.generations)]
+        async_scheduling = c.async_scheduling[index % len(c.async_scheduling)]
+        return SimEngine(self, index, holder, flush, generations, async_scheduling)
 
     def close(self) -> None:
         for engine in self.engines:
@@ -199,14 +215,36 @@ class World:
 
     # --- what engines and checks ask of the world -------------------------------------------
 
-    def expected(self, key: bytes, generation: int | None = None) -> bytes:
-        """The bytes of `key` in a generation (default: the current one): what every engine computes."""
-        generation = self.generation if generation is None else generation
-        found = self._expected.get((key, generation))
+    def expected(self, key: bytes, weights: str) -> bytes:
+        """The bytes of `key` computed with `weights` (a namespace: a model's identity, which
+        changes with its weights): what every engine of those weights computes."""
+        found = self._expected.get((key, weights))
         if found is None:
-            digest = hashlib.blake2b(key + generation.to_bytes(4, "big"), digest_size=64).digest()
-            found = self._expected[(key, generation)] = digest * (SLOT // 64)
+            digest = hashlib.blake2b(key + weights.encode(), digest_size=64).digest()
+            found = self._expected[(key, weights)] = digest * (SLOT // 64)
         return found
+
+    def copy_deadline(self, engine: SimEngine) -> int:
+        """The step before which a copy prepared now has landed (late copies: several steps)."""
+        return engine.step_no + self.config.copy_steps
+
+    def watch_pools(self) -> None:
+        """Count each slot's reservations (`reservation_of`): every pool's `reserve` wrapped once."""
+        for pool in self.store.arena.pools.values():
+            if "reserve" in pool.__dict__:
+                continue
+            path, reserve, counts = pool.geometry.path_template, pool.reserve, self.reservations
+
+            def counted(holder: str, count: int, path=path, reserve=reserve) -> list[int]:
+                granted = reserve(holder, count)
+                for slot in granted:
+                    counts[(path, slot)] = counts.get((path, slot), 0) + 1
+                return granted
+
+            pool.reserve = counted
+
+    def reservation_of(self, path: str, slot: int) -> int:
+        return self.reservations.get((path, slot), 0)
 
     def view(self, path_template: str, slot: int) -> np.ndarray | None:
         """The bytes of `slot` in the pool whose segments are named by `path_template`."""
@@ -230,16 +268,18 @@ class World:
         invariants.check_wait(self, engine, req)
 
     def land(self, copy: Copy) -> None:
-        """A worker's copy lands: a load reads its slots, a store writes its chunks' bytes."""
+        """A worker's copy lands: a load reads its slots, a store writes its chunks' bytes
+        (a failed one, garbage)."""
         engine = self.engines[copy.engine]
         if copy.kind == "load":
             invariants.check_load(self, engine, copy)
         else:
             invariants.check_store_write(self, engine, copy)
             for key, slot in zip(copy.keys, copy.slots):
+                self.write(copy.path, slot, f"store of {engine.holder}", copy)
                 view = self.view(copy.path, slot)
                 if view is not None:
-                    view[:] = np.frombuffer(self.expected(key, copy.generation), dtype=np.uint8)
+                    view[:] = 0x5A if copy.failed else np.frombuffer(self.expected(key, copy.weights), dtype=np.uint8)
         copy.landed = True
         self.copies.pop(copy.id, None)
         engine.copy_landed(copy)
@@ -248,7 +288,11 @@ class World:
 
     def apply(self, action: tuple) -> bool:
         """Run one action; False if it could not run now (nothing to act on)."""
-        return bool(getattr(self, f"act_{action[0]}")(*action[1:]))
+        try:
+            return bool(getattr(self, f"act_{action[0]}")(*action[1:]))
+        except Exception as exc:  # noqa: BLE001 - what raised into vLLM (or the simulation) is a violation
+            self.violation(f"{action[0]} raised {exc!r}")
+            return True
 
     def _engine(self, e: int) -> SimEngine | None:
         engine = self.engines[e % len(self.engines)]
@@ -268,6 +312,14 @@ class World:
         engine.step()
         return True
 
+    def write(self, path: str, slot: int, who: str, copy: Copy | None = None) -> None:
+        """Something writes a slot: no load in flight may be reading it (its bytes would not be its key's)."""
+        for other in self.copies.values():
+            if other is not copy and other.kind == "load" and other.path == path and slot in other.slots:
+                self.violation(
+                    f"{who} writes slot {slot} under a load of {self.engines[other.engine].holder} in flight"
+                )
+
     def act_tick(self, ms: float) -> bool:
         self.advance_to(self.clock() + ms / 1000)
         return True
@@ -276,21 +328,27 @@ class World:
         """Move the clock on; a worker's copy lands within `COPY_SECONDS` of being prepared
         (the assumption rule 3 rests on: well within half a lease), so those due land first."""
         for copy in sorted(self.copies.values(), key=lambda c: c.prepared_at):
-            if copy.prepared_at + COPY_SECONDS <= when and self.engines[copy.engine].alive:
+            if copy.prepared_at + self.config.copy_seconds <= when and self.engines[copy.engine].alive:
                 self.land(copy)
         self.clock.at_least(when)
 
-    def act_send(self, e: int) -> bool:
+    def act_send(self, e: int, c: int = 0) -> bool:
+        """A channel of the engine sends its next call (`c` picks among its generations' channels)."""
         engine = self._engine(e)
         if engine is None or self.clock() < engine.paused_until:
             return False
-        request = engine.channel.next_request()
-        if request is None:
+        channels = [channel for channel in engine.channels if not channel.closed]
+        for i in range(len(channels)):
+            channel = channels[(c + i) % len(channels)]
+            request = channel.next_request()
+            if request is not None:
+                break
+        else:
             return False
         self._next_call += 1
-        call = Call(self._next_call, engine.index, request, self.clock())
+        call = Call(self._next_call, engine.index, request, self.clock(), channel=channel)
         self.calls[call.id] = call
-        engine.channel.awaiting = call
+        channel.awaiting = call
         return True
 
     def _call(self, e: int, r: int, states: tuple[str, ...], awaited: bool | None) -> Call | None:
@@ -309,7 +367,6 @@ class World:
 
     def _deliver(self, call: Call) -> None:
         call.deliveries += 1
-        self.heard[call.request.holder] = self.clock()
         try:
             reply = self.store.step(call.request)
         except Exception as exc:  # noqa: BLE001 - the store's answer is an error: the channel sees it
@@ -318,6 +375,8 @@ class World:
         call.reply = reply if call.reply is None else call.reply
         self.served_at = self.clock()
         applied = reply is not None and reply.epoch == call.request.epoch and not reply.stale and not reply.rejected
+        if applied:  # the store renewed the holder's lease
+            self.heard[call.request.holder] = self.clock()
         if call.request.purge and applied:  # settled once every job in flight now (its own included) ran
             self.purges.append(PurgeWatch(call.request.namespace, set(self.jobs.pending)))
         if call.state == PENDING:
@@ -339,11 +398,12 @@ class World:
             return False
         self._done(call)
         engine = self.engines[call.engine]
-        if call.error is not None:
-            engine.channel.failed(call, call.error)
-        else:
-            engine.answers += 1
-            engine.channel.answered(call)
+        with engine.calls_in():
+            if call.error is not None:
+                call.channel.failed(call, call.error)
+            else:
+                engine.answers += call.channel is engine.channel
+                call.channel.answered(call)
         return True
 
     def act_lose(self, e: int, r: int) -> bool:
@@ -353,7 +413,8 @@ class World:
             return False
         self._done(call)
         self.advance_to(call.sent_at + self.config.control_timeout_seconds)
-        self.engines[call.engine].channel.failed(call, TimeoutError("simulated: answer lost"))
+        with self.engines[call.engine].calls_in():
+            call.channel.failed(call, TimeoutError("simulated: answer lost"))
         return True
 
     def act_timeout(self, e: int, r: int) -> bool:
@@ -362,7 +423,8 @@ class World:
         if call is None:
             return False
         self.advance_to(call.sent_at + self.config.control_timeout_seconds)
-        self.engines[call.engine].channel.failed(call, TimeoutError("simulated: no answer in time"))
+        with self.engines[call.engine].calls_in():
+            call.channel.failed(call, TimeoutError("simulated: no answer in time"))
         return True
 
     def act_fail(self, e: int, r: int) -> bool:
@@ -371,7 +433,8 @@ class World:
         if call is None:
             return False
         self._done(call)
-        self.engines[call.engine].channel.failed(call, ConnectionError("simulated: store unreachable"))
+        with self.engines[call.engine].calls_in():
+            call.channel.failed(call, ConnectionError("simulated: store unreachable"))
         return True
 
     def act_duplicate(self, e: int, r: int) -> bool:
@@ -392,9 +455,12 @@ class World:
             job = next(j for j in self.jobs.pending.values() if j.owner is job.owner)
         del self.jobs.pending[job.id]
         before = set(self.jobs.pending)
-        exc = job.run()
+        with self._swallowed as swallowed:
+            exc = job.run()
         if exc is not None:
             self.violation(f"background job {job.name} raised {exc!r}")
+        for error, message in swallowed.records:
+            self.violation(f"background job {job.name} swallowed {error!r} ({message})")
         spawned = set(self.jobs.pending) - before  # (a bucket purge waits for the uploads before it)
         for watch in self.purges:
             if job.id in watch.jobs:
@@ -409,108 +475,10 @@ class World:
         self.land(list(engine.copies.values())[r % len(engine.copies)])
         return True
 
-    def act_pause(self, e: int, ms: float) -> bool:
-        engine = self._engine(e)
-        if engine is None:
-            return False
-        engine.pause(ms / 1000)
-        return True
-
-    def act_crash(self, e: int) -> bool:
-        engine = self._engine(e)
-        if engine is None:
-            return False
-        engine.crash()
-        for call in self.calls.values():
-            if call.engine == engine.index:
-                call.awaited = False
-        for copy_id in [c for c, copy in self.copies.items() if copy.engine == engine.index]:
-            del self.copies[copy_id]
-        self.crashed[engine.holder] = self.clock()
-        self.engines[engine.index] = self._start_engine(engine.index)
-        return True
-
-    def act_reset(self, e: int) -> bool:
-        engine = self._engine(e)
-        if engine is None:
-            return False
-        engine.reset()
-        return True
-
-    def act_update_weights(self) -> bool:
-        """The weights change in place (an RL weight sync): every engine finishes its copies
-        and shuts down, new ones start on the model's new identity (a new namespace, bytes
-        of the new generation), and the old namespace is purged on the node (`kvstrata
-        purge`) while its work may still be in flight."""
-        if not self.config.purge_and_disk_races:
-            return False
-        for engine in self.engines:  # (a crashed engine was replaced at its crash: all are alive)
-            if engine.alive:
-                for copy in list(engine.copies.values()):
-                    self.land(copy)
-                engine.shut_down()
-                for call in self.calls.values():
-                    if call.engine == engine.index:
-                        call.awaited = False
-        old = self.namespace
-        self.generation += 1
-        self._set_layout()
-        self.store.purge(old)
-        self.served_at = self.clock()
-        self.purges.append(PurgeWatch(old, set(self.jobs.pending)))
-        self.engines = [self._start_engine(i) for i in range(len(self.engines))]
-        return True
-
-    def act_stall(self, ms: float) -> bool:
-        """The store is busy in one call for `ms` (a long purge, a hung disk read)."""
-        self.stalls.append(Stall(self.clock(), ms / 1000))
-        serving = getattr(self.store, "_serving", None)
-        if serving is None:
-            self.advance_to(self.clock() + ms / 1000)
-        else:
-            with serving():
-                self.advance_to(self.clock() + ms / 1000)
-        return True
-
-    def act_restart(self) -> bool:
-        """The store process dies and Ray starts a new one: its queued jobs never run; loads
-        in flight still read the old segments (workers keep them mapped)."""
-        old = self.store
-        for executor in (old._io, old._object_io):
-            if executor is not None:
-                executor.shutdown()
-        if old.disk is not None:
-            old.disk.close()  # (its checksums in flight are dropped with it)
-        self.purges.clear()
-        self.store = self._start_store()
-        return True
-
-    def act_crowd(self, count: int) -> bool:
-        """A burst of another node's work: `count` slots reserved (evicting what it must),
-        overwritten and freed again, as a short-lived engine's stores would."""
-        pool = self.store.arena.pools.get(self.namespace)
-        if pool is None:
-            return False
-        with self.store._lock:
-            self.store._expire()  # as every store call does first
-            slots = pool.reserve(CROWD, count)
-            for slot in slots:
-                pool.view(slot)[:] = 0xEE
-            pool.release(CROWD, slots)
-        self.served_at = self.clock()
-        return True
-
-    def act_lose_registration(self, e: int) -> bool:
-        engine = self._engine(e)
-        if engine is None:
-            return False
-        engine.client.lose_next_registration = True
-        return True
-
     # --- checks ----------------------------------------------------------------------------------
 
     def check(self) -> None:
         invariants.check_world(self)
 
-    def stall_seconds_since(self, since: float) -> float:
-        return sum(stall.seconds for stall in self.stalls if stall.at + stall.seconds >= since)
+    def stall_seconds_since(self, since: float, longer_than: float = 0.0) -> float:
+        return sum(s.seconds for s in self.stalls if s.at + s.seconds >= since and s.seconds > longer_than)

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from kvstrata.actors.local_client import LocalStoreClient
+from kvstrata.store.local_client import LocalStoreClient
 from kvstrata.connector.compat import LookupResult, ScheduleEndContext
 from kvstrata.connector.inbox import merge_idle_replies
 from kvstrata.connector.manager import StrataManager
@@ -127,7 +127,7 @@ def test_answers_to_heartbeats_of_an_idle_engine_fold_into_one_entry(store_and_c
 
 
 def test_folding_keeps_the_last_change_of_a_key_and_starts_over_at_a_snapshot(store_and_config):
-    from kvstrata.actors.protocol import StepReply, StepRequest
+    from kvstrata.protocol import StepReply, StepRequest
 
     request = StepRequest(holder="h", namespace="n", epoch="e")
     first = ("reply", request, StepReply(epoch="e", seq=1, changes=[(b"a", "CPU", True)], slots={b"a": 3}), 1.0, 0.1)

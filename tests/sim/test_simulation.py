@@ -14,7 +14,7 @@ import pytest
 
 from kvstrata.store.context import Generations
 from kvstrata.sim.explore import config_for, replay, run_seed, shrink
-from kvstrata.sim.world import SimConfig
+from kvstrata.sim.world import config_from_json
 from kvstrata.tiers.reuse import DeferredReuse
 
 RANDOM_EVENTS = 100_000
@@ -43,7 +43,7 @@ def test_a_run_replays_exactly_from_its_actions():
     result = run_seed(5, 3000)
     assert not result.violations and len(result.actions) == 3000
     trace = json.loads(result.trace())
-    config = SimConfig(**{**trace["config"], "flush_signal": tuple(trace["config"]["flush_signal"])})
+    config = config_from_json(trace["config"])
     assert config == config_for(5)
     assert replay(config, [tuple(action) for action in trace["actions"]]) == []
 
