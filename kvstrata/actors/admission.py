@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from kvstrata.actors.store_state import StoreState, logger
 from kvstrata.tiers.arena import SlotPool
+from kvstrata.tiers.chain_admission import ChainAdmission
 from kvstrata.tiers.estimates import TierEstimates, peer_node
 from kvstrata.tiers.frequency import ReuseCounter
 
@@ -39,8 +40,11 @@ class ReuseAdmission(StoreState):
 
     def _init_admission(self) -> None:
         store = self.config.admission.store
-        self._reuse_disk = store.disk == "reuse"
-        self._reuse_object = store.object == "reuse"
+        self._reuse_disk = store.disk in ("reuse", "chain")
+        self._reuse_object = store.object in ("reuse", "chain")
+        # `chain`: also the head of every prefix, at once (tiers/chain_admission.py).
+        self._chain_disk, self._chain_object = store.disk == "chain", store.object == "chain"
+        self._chain = ChainAdmission(store.head_tokens) if self._chain_disk or self._chain_object else None
         self._reuse = ReuseCounter(store.window, store.min_uses) if self._reuse_disk or self._reuse_object else None
         self.counters["disk_writes_skipped_reuse"] = 0
         self.counters["object_uploads_skipped_reuse"] = 0
@@ -62,6 +66,11 @@ class ReuseAdmission(StoreState):
             if peer_node(tier) is None
         }
 
+    def _note_positions(self, positions: list[tuple[bytes, int]]) -> None:
+        """Where committed chunks end in their requests (sent with the commits), for `chain`."""
+        if self._chain is not None and positions:
+            self._chain.note_positions(positions)
+
     def _admit_commits(
         self, namespace: str, committed: list[tuple[bytes, int]], to_disk: bool, to_object: bool
     ) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
@@ -69,14 +78,24 @@ class ReuseAdmission(StoreState):
         object tiers admit now (`to_disk`/`to_object`: whether the tier copies at commit)."""
         if self._reuse is None:
             return (committed if to_disk else []), (committed if to_object else [])
-        reused = self._reuse.note(namespace, [key for key, _ in committed])
-        admitted = [item for item, ok in zip(committed, reused) if ok]
-        disk = (admitted if self._reuse_disk else committed) if to_disk else []
-        upload = (admitted if self._reuse_object else committed) if to_object else []
+        keys = [key for key, _ in committed]
+        reused = [
+            used or self._retention.priority(namespace, key) > 0  # retained: kept below too
+            for key, used in zip(keys, self._reuse.note(namespace, keys))
+        ]
+        chained = self._chain.admit(keys, reused) if self._chain is not None else reused
+        to_disk_ok = chained if self._chain_disk else reused
+        to_object_ok = chained if self._chain_object else reused
+        disk = ([item for item, ok in zip(committed, to_disk_ok) if ok] if self._reuse_disk else committed) if to_disk else []
+        upload = (
+            ([item for item, ok in zip(committed, to_object_ok) if ok] if self._reuse_object else committed)
+            if to_object
+            else []
+        )
         if to_disk and self._reuse_disk:
-            self.counters["disk_writes_skipped_reuse"] += len(committed) - len(admitted)
+            self.counters["disk_writes_skipped_reuse"] += len(committed) - len(disk)
         if to_object and self._reuse_object:
-            self.counters["object_uploads_skipped_reuse"] += len(committed) - len(admitted)
+            self.counters["object_uploads_skipped_reuse"] += len(committed) - len(upload)
         return disk, upload
 
     def _note_reuse(
@@ -101,11 +120,14 @@ class ReuseAdmission(StoreState):
         """Whether an evicted chunk goes to the write_back disk and object tiers."""
         if self._reuse is None or not (to_disk or to_object):
             return to_disk, to_object
-        reused = self._reuse.reused(namespace, [key])[0]
-        if to_disk and self._reuse_disk and not reused:
+        # A chunk kept by a live retention (kv.retain) is written whatever its uses: the
+        # arena evicts it only when it must, and the tier below is where it survives.
+        reused = self._reuse.reused(namespace, [key])[0] or self._retention.priority(namespace, key) > 0
+        head = self._chain is not None and self._chain.in_head(key)
+        if to_disk and self._reuse_disk and not (reused or (self._chain_disk and head)):
             to_disk = False
             self.counters["disk_writes_skipped_reuse"] += 1
-        if to_object and self._reuse_object and not reused:
+        if to_object and self._reuse_object and not (reused or (self._chain_object and head)):
             to_object = False
             self.counters["object_uploads_skipped_reuse"] += 1
         return to_disk, to_object

@@ -222,6 +222,7 @@ class StoreControl(Cascade, Promotion, ObjectIndex):
             for key, slot in committed:
                 self.audit.committed(namespace, key, pool.view(slot))
         if committed:
+            self._note_positions(request.positions)  # admission.py: `chain` writes prefix heads
             self._copy_commits(namespace, pool, committed)
         # After the commits: those sent with a purge were stored before it (purge.py).
         purge_refused = []
