@@ -255,9 +255,10 @@ def build_systems(args: argparse.Namespace, scale: Scale, replay: Replay) -> lis
         for head in (2048, 4096, 8192, 16384):
             plan.append((f"kvstrata-chain-{head // 1024}k", "chain", head))
     seen, unique = set(), []
-    for entry in plan:
-        if entry[0] not in seen:
-            seen.add(entry[0])
+    for entry in plan:  # one run per (admission, head): the default is also a frontier point
+        same = entry[1:] if entry[1] == "chain" else entry[:2]
+        if same not in seen:
+            seen.add(same)
             unique.append(entry)
     return unique
 
