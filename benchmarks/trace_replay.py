@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -352,12 +353,45 @@ def run_policy(args: argparse.Namespace) -> dict:
         "distinct_blocks": replay.distinct,
         "systems": results,
     }
-    if args.frontier and args.out is not None:
-        from trace_plot import plot_frontier
+    if args.out is not None:
+        from plotting import run_title
 
-        plot_frontier(results, summary, args)
+        write_frontier(results, args.out, run_title("trace_replay.py", args))
     print(json.dumps(summary, sort_keys=True))
     return summary
+
+
+SYSTEM_LINE = re.compile(
+    r"^(?P<name>\S+)\s+token hits (?P<hit>[\d.]+)% \((?P<share>[\d.]+)% of ceiling\).*?"
+    r"disk writes (?P<writes>\d+) \((?P<writes_share>[\d.]+)% of distinct"
+)
+
+
+def write_frontier(results: dict[str, dict], out: Path, title: str) -> list[Path]:
+    """Share of the ceiling against disk writes (share of distinct blocks), one point per system."""
+    from plotting import Point, write_scatter
+
+    points = [
+        Point(name, fig["disk_writes_share"], fig["share_of_ceiling"], reference=not name.startswith("kvstrata"))
+        for name, fig in results.items()
+    ]
+    return write_scatter(
+        "trace_replay-frontier", title, "disk writes / distinct blocks", "token hits / ceiling", points, out
+    )
+
+
+def results_from_logs(paths: list[Path]) -> dict[str, dict]:
+    """Each system's line of earlier runs' output (what `policy` prints per system)."""
+    results: dict[str, dict] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            found = SYSTEM_LINE.match(line)
+            if found:
+                results[found["name"]] = {
+                    "share_of_ceiling": float(found["share"]) / 100,
+                    "disk_writes_share": float(found["writes_share"]) / 100,
+                }
+    return results
 
 
 def parser() -> argparse.ArgumentParser:
@@ -383,12 +417,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default="kvstrata,vllm-lru,vllm-arc")
     p.add_argument("--frontier", action="store_true", help="also kvstrata under every disk admission, and a plot")
     p.add_argument("--compress", type=float, default=1.0, help="divide the trace's time by this")
-    p.add_argument("--out", type=Path, default=None, help="directory for the frontier's table and plot")
+    p.add_argument("--out", type=Path, default=None, help="directory for the hit/write table and plot")
+    plot = modes.add_parser("plot", help="the hit/write plot from the output of earlier `policy` runs")
+    plot.add_argument("logs", nargs="+", type=Path)
+    plot.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.mode == "plot":
+        write_frontier(results_from_logs(args.logs), args.out, "trace_replay.py policy: " + ", ".join(map(str, args.logs)))
+        return 0
     if args.compress <= 0:
         raise SystemExit("--compress must be > 0")
     try:

@@ -11,6 +11,12 @@ an engine answered from its mirror (`hold`) and a pin (a HIT that needs the aren
 or a promotion). Touches do not count: an engine touches every chunk a request used,
 stored ones included, so a one-off would count twice.
 
+With `chain` (tiers/chain_admission.py) a tier also gets, at once, every chunk whose
+prefix ends within `head_tokens` of its request (the engine sends commits' positions): a
+prefix is read back from its first chunk on, so its head is worth a write even before
+any reuse shows (on Mooncake's chat trace: docs/real-traffic.md). A chunk under a live
+retention (kv.retain) passes every test: the tier below is where it outlives the arena.
+
 When the copy is made: a `write_through` tier gets a committed chunk at once if it is
 already reused, else when a later use makes it reused while it is still in the arena
 (a *late* copy); a `write_back` tier gets an evicted chunk only if it is reused. A chunk
