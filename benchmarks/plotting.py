@@ -240,11 +240,14 @@ def write_scatter(name: str, title: str, x_label: str, y_label: str, points: Seq
         print(f"plot skipped ({missing}; pip install matplotlib, the `bench` extra); table in {written[0]}")
         return written
     width, height = PANEL_INCHES
-    figure = Figure(figsize=(width * 1.6, height * 1.4), dpi=DPI, layout="constrained")
+    figure = Figure(figsize=(width * 2.2, height * 1.4), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     ax = figure.subplots()
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"]
     for i, point in enumerate(points):
-        colour = f"C{i % 10}"
+        colour = palette(i % 20)
         ax.scatter([point.x], [point.y], s=46, color=colour, marker="s" if point.reference else "o",
                    facecolors="none" if point.reference else colour, label=point.label)  # fmt: skip
     ax.set_xlim(left=0)
@@ -252,8 +255,8 @@ def write_scatter(name: str, title: str, x_label: str, y_label: str, points: Seq
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    figure.suptitle("\n".join(textwrap.wrap(title, int(width * 1.6 * 15))), fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.suptitle("\n".join(textwrap.wrap(title, int(width * 2.2 * 15))), fontsize=8)
     png = out / f"{name}.png"
     figure.savefig(png, format="png", dpi=DPI)
     written.append(png)

@@ -387,7 +387,8 @@ def results_from_logs(paths: list[Path]) -> dict[str, dict]:
         for line in Path(path).read_text().splitlines():
             found = SYSTEM_LINE.match(line)
             if found:
-                results[found["name"]] = {
+                label = found["name"] if len(paths) == 1 else f"{found['name']} ({Path(path).stem})"
+                results[label] = {
                     "share_of_ceiling": float(found["share"]) / 100,
                     "disk_writes_share": float(found["writes_share"]) / 100,
                 }
@@ -427,7 +428,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.mode == "plot":
-        write_frontier(results_from_logs(args.logs), args.out, "trace_replay.py policy: " + ", ".join(map(str, args.logs)))
+        logs = ", ".join(path.stem for path in args.logs)
+        write_frontier(results_from_logs(args.logs), args.out, f"benchmarks/trace_replay.py policy, runs: {logs}")
         return 0
     if args.compress <= 0:
         raise SystemExit("--compress must be > 0")
