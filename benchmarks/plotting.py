@@ -213,3 +213,52 @@ def write_results(results: Results, out: Path) -> list[Path]:
     written.append(png)
     print("wrote " + ", ".join(str(path) for path in written))
     return written
+
+
+@dataclass(frozen=True)
+class Point:
+    """One subject at one setting on a scatter (`write_scatter`): references hollow."""
+
+    label: str
+    x: float
+    y: float
+    reference: bool = False
+
+
+def write_scatter(name: str, title: str, x_label: str, y_label: str, points: Sequence[Point], out: Path) -> list[Path]:
+    """A trade-off plot (one point per subject and setting, e.g. hit ratio against writes):
+    the table as CSV and markdown, and the PNG where matplotlib is installed."""
+    results = Results(name, title, ["label", x_label, y_label], [[p.label, p.x, p.y] for p in points])
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / f"{name}.csv", out / f"{name}.md"]
+    write_csv(results, written[0])
+    write_markdown(results, written[1])
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as missing:
+        print(f"plot skipped ({missing}; pip install matplotlib, the `bench` extra); table in {written[0]}")
+        return written
+    width, height = PANEL_INCHES
+    figure = Figure(figsize=(width * 2.2, height * 1.4), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"]
+    for i, point in enumerate(points):
+        colour = palette(i % 20)
+        ax.scatter([point.x], [point.y], s=46, color=colour, marker="s" if point.reference else "o",
+                   facecolors="none" if point.reference else colour, label=point.label)  # fmt: skip
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, max([1.0] + [p.y * 1.05 for p in points]))
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.suptitle("\n".join(textwrap.wrap(title, int(width * 2.2 * 15))), fontsize=8)
+    png = out / f"{name}.png"
+    figure.savefig(png, format="png", dpi=DPI)
+    written.append(png)
+    print("wrote " + ", ".join(str(path) for path in written))
+    return written

@@ -290,8 +290,20 @@ class EngineConfig(_Strict):
 class StoreAdmissionConfig(_Strict):
     """Which chunks the cascade writes down to disk and to the object store."""
 
-    disk: Literal["always", "reuse"] = Field(default="always", description="reuse: only chunks used min_uses times")
-    object: Literal["always", "reuse"] = Field(default="always", description="reuse: only chunks used min_uses times")
+    disk: Literal["always", "reuse", "chain"] = Field(
+        default="chain",
+        description="always: every chunk; reuse: only chunks used min_uses times; chain (default): those and the "
+        "first head_tokens of every prefix (half the writes of always on real chat traffic, docs/real-traffic.md)",
+    )
+    object: Literal["always", "reuse", "chain"] = Field(
+        default="always",
+        description="reuse: only chunks used min_uses times; chain: those and the first head_tokens of every prefix",
+    )
+    head_tokens: int = Field(
+        default=8192,
+        ge=0,
+        description="chain: chunks whose prefix ends within this many tokens of a request are written at once",
+    )
     min_uses: int = Field(default=2, ge=1, le=255, description="uses within the window before a chunk is written down")
     window: int = Field(
         default=100_000, ge=1024, le=1 << 26, description="chunk uses per namespace after which counts halve"

@@ -44,6 +44,9 @@ class StepRequest:
     # Applied after `hold` and `commit`, before `pin`.
     unpin: list[int] = field(default_factory=list)
     commit: list[tuple[int, bytes]] = field(default_factory=list)
+    # (key, token its prefix ends at) of committed chunks whose position vLLM recorded:
+    # admission.store `chain` writes a prefix's head down (tiers/chain_admission.py).
+    positions: list[tuple[bytes, int]] = field(default_factory=list)
     release: list[int] = field(default_factory=list)
     reserve: int = 0
     # Drop every chunk of the namespace (vLLM reset_prefix_cache(reset_connector=True)).
@@ -78,6 +81,7 @@ class StepRequest:
             touch=self.touch + later.touch,
             unpin=self.unpin + later.unpin,
             commit=self.commit + later.commit,
+            positions=self.positions + later.positions,
             release=self.release + later.release,
             reserve=self.reserve + later.reserve,
             purge=self.purge or later.purge,

@@ -116,7 +116,11 @@ def test_shipped_multinode_config_and_cluster_checks():
 def test_admission_defaults_change_nothing_and_bad_values_name_their_key() -> None:
     config = load_config({})
     assert config.admission.load == "break_even"
-    assert config.admission.store.disk == config.admission.store.object == "always"
+    # The disk writes the head of every prefix and what is used again (#47); the bucket everything.
+    assert config.admission.store.disk == "chain" and config.admission.store.object == "always"
+    assert config.admission.store.head_tokens == 8192
+    with pytest.raises(ConfigError, match="head_tokens"):
+        load_config({"admission": {"store": {"head_tokens": -1}}})
     assert config.engine.recompute_tokens_per_second is None
     tuned = load_config({"admission": {"load": "break_even", "store": {"object": "reuse", "min_uses": 3}}})
     assert tuned.admission.store.object == "reuse" and tuned.admission.store.min_uses == 3

@@ -201,6 +201,7 @@ class StrataManager(PinsAndSlots):
             touch=self._to_touch,
             unpin=self._out_unpin,  # (the store counts pins: each unpin undoes one, in any order within a request)
             commit=self._out_commit,
+            positions=self._out_positions,
             release=self._out_release,
             reserve=max(0, want),
             purge=self._purge_requested,
@@ -209,7 +210,7 @@ class StrataManager(PinsAndSlots):
         )
         self._reserve_outstanding += request.reserve
         self._to_pin, self._to_touch = [], []
-        self._out_unpin, self._out_commit, self._out_release = [], [], []
+        self._out_unpin, self._out_commit, self._out_release, self._out_positions = [], [], [], []
         if self._reset_steps_left and not self._reset_flush_signal:
             # Before vLLM 0.33: the jobs in flight at a reset are flushed in the step after
             # it; what they may touch goes with the request after that step's.

@@ -179,6 +179,7 @@ class ManagerState:
         self._req_used: dict[str, UsedChunks] = {}
         self._anchor_groups = frozenset(layout.anchor_groups or ())
         self._out_commit: list[tuple[int, bytes]] = []
+        self._out_positions: list[tuple[bytes, int]] = []  # (key, end token) of commits: admission `chain`
         self._out_unpin: list[int] = []
         self._out_release: list[int] = []
         self._reset_pins: list[int] = []  # released once vLLM flushed pre-reset loads

@@ -291,6 +291,8 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
                     continue  # prepared before a store restart or a reset: nothing to publish
                 if success:
                     self._out_commit.append((slot, key))
+                    if (position := key_position(req_context, key)) is not None:
+                        self._out_positions.append((key, position))
                     if key in self._pinned:
                         # A pin of the chunk arrived meanwhile (a pin asked for before this
                         # store began): keep that one, with its requests and loads, and let

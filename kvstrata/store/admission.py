@@ -21,8 +21,14 @@ Also the store's side of `admission.load` (load or recompute): `tier_costs`, wha
 lower tier delivered to promotions (the context's `tier_estimates`), sent to engines with
 every step reply (connector/load_admission.py decides there).
 
-Tiers are asked by name: `admission.store.<tier name>: reuse` puts a tier under the test
-(a tier the config does not name admits everything).
+With `chain` (tiers/chain_admission.py) a tier also gets, at once, every chunk whose
+prefix ends within `head_tokens` of its request (the engine sends commits' positions): a
+prefix is read back from its first chunk on, so its head is worth a write even before
+any reuse shows (on Mooncake's chat trace: docs/real-traffic.md). A chunk under a live
+retention (kv.retain) passes every test: the tier below is where it outlives the arena.
+
+Tiers are asked by name: `admission.store.<tier name>: reuse` (or `chain`) puts a tier
+under the test (a tier the config does not name admits everything).
 
 Owns: `_reuse` (None when no tier uses `reuse`), the tiers under the test, the
 `<counter>_skipped_reuse` counters. Called under the store lock (the sketch is not
@@ -36,6 +42,7 @@ from collections.abc import Callable, Sequence
 from kvstrata.store.context import StoreContext, logger
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.base import LowerTier
+from kvstrata.tiers.chain_admission import ChainAdmission
 from kvstrata.tiers.estimates import peer_node
 from kvstrata.tiers.frequency import ReuseCounter
 
@@ -45,10 +52,17 @@ Items = list[tuple[bytes, int]]
 class ReuseAdmission:
     """The reuse test on the cascade's copies."""
 
-    def __init__(self, ctx: StoreContext, tiers: Sequence[LowerTier]):
+    def __init__(
+        self, ctx: StoreContext, tiers: Sequence[LowerTier], retained: Callable[[str, bytes], bool] | None = None
+    ):
+        """`retained(namespace, key)`: whether a live retention (kv.retain, hints.py) keeps
+        the chunk: such a chunk passes every test."""
         self._ctx = ctx
         store = ctx.config.admission.store
-        self._tested = {tier.name for tier in tiers if getattr(store, tier.name, None) == "reuse"}
+        self._tested = {tier.name for tier in tiers if getattr(store, tier.name, None) in ("reuse", "chain")}
+        self._chained = {tier.name for tier in tiers if getattr(store, tier.name, None) == "chain"}
+        self._chain = ChainAdmission(store.head_tokens) if self._chained else None
+        self._retained = retained or (lambda namespace, key: False)
         self._reuse = ReuseCounter(store.window, store.min_uses) if self._tested else None
         for counter in ["disk_writes", "object_uploads"] + [tier.counter for tier in tiers if tier.counter]:
             ctx.counters[f"{counter}_skipped_reuse"] = 0
@@ -72,16 +86,29 @@ class ReuseAdmission:
             if peer_node(tier) is None
         }
 
+    @property
+    def chain(self) -> ChainAdmission | None:
+        """Where committed chunks sit in their prefixes (`chain` admission; None without it)."""
+        return self._chain
+
+    def note_positions(self, positions: list[tuple[bytes, int]]) -> None:
+        """Where committed chunks end in their requests (sent with the commits), for `chain`."""
+        if self._chain is not None and positions:
+            self._chain.note_positions(positions)
+
     def admit_commits(self, namespace: str, committed: Items, tiers: Sequence[LowerTier]) -> dict[str, Items]:
         """Count the commits as uses; per tier of `tiers` (those copying at commit), the
         (key, slot) pairs it admits now."""
         if self._reuse is None:
             return {tier.name: committed for tier in tiers}
-        reused = self._reuse.note(namespace, [key for key, _ in committed])
-        admitted = [item for item, ok in zip(committed, reused) if ok]
+        keys = [key for key, _ in committed]
+        reused = [used or self._retained(namespace, key) for key, used in zip(keys, self._reuse.note(namespace, keys))]
+        chained = self._chain.admit(keys, reused) if self._chain is not None else reused
         out = {}
         for tier in tiers:
             if tier.name in self._tested:
+                ok = chained if tier.name in self._chained else reused
+                admitted = [item for item, passed in zip(committed, ok) if passed]
                 out[tier.name] = admitted
                 self._ctx.counters[f"{tier.counter}_skipped_reuse"] += len(committed) - len(admitted)
             else:
@@ -108,10 +135,13 @@ class ReuseAdmission:
         """Of `tiers` (those copying at eviction), the ones an evicted chunk goes to."""
         if self._reuse is None or not tiers:
             return list(tiers)
-        reused = self._reuse.reused(namespace, [key])[0]
+        # A chunk kept by a live retention is written whatever its uses: the arena evicts
+        # it only when it must, and the tier below is where it survives.
+        reused = self._reuse.reused(namespace, [key])[0] or self._retained(namespace, key)
+        head = self._chain is not None and self._chain.in_head(key)
         admitted = []
         for tier in tiers:
-            if tier.name in self._tested and not reused:
+            if tier.name in self._tested and not (reused or (tier.name in self._chained and head)):
                 self._ctx.counters[f"{tier.counter}_skipped_reuse"] += 1
             else:
                 admitted.append(tier)

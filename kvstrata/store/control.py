@@ -258,6 +258,7 @@ class StoreControl:
             for key, slot in committed:
                 ctx.audit.committed(namespace, key, pool.view(slot))
         if committed:
+            self._admission.note_positions(request.positions)  # admission.py: `chain` writes prefix heads
             self._cascade.copy_commits(namespace, pool, committed)
         # After the commits: those sent with a purge were stored before it (purges.py).
         purge_refused = []

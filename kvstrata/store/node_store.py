@@ -139,7 +139,7 @@ class NodeStore:
                 self.tiers.append(tier)
         # The parts, each handed what it uses; listeners replace calls up a hierarchy.
         self.purges = Purges(ctx, self.tiers)
-        self.admission = ReuseAdmission(ctx, self.tiers)
+        self.admission = ReuseAdmission(ctx, self.tiers, retained=lambda ns, key: self.hints.retention_priority(ns, key) > 0)
         self.cascade = Cascade(ctx, self.admission, self.tiers)
         self.promotion = Promotion(ctx, self.tiers)
         self.prefetcher = Prefetch(ctx, self.promotion)  # listens to landed promotions

@@ -32,6 +32,10 @@ _MULTIPLIERS = np.array(
 )  # fmt: skip
 
 
+_MASK64 = (1 << 64) - 1
+SCALAR_KEYS = 4  # at most this many keys are counted in plain Python (`FrequencySketch.counts`)
+
+
 def keys_to_u64(keys: Sequence[bytes]) -> np.ndarray:
     """Each whole key (block hash and group) digested to a uint64.
 
@@ -91,6 +95,13 @@ class FrequencySketch:
         """Estimated uses of each key since the last halvings (never fewer, bar halving)."""
         if len(hashed) == 0:
             return np.zeros(0, dtype=np.uint8)
+        if len(hashed) <= SCALAR_KEYS:
+            # One chunk evicted, one written: a handful of numpy calls cost ~20x the
+            # arithmetic (benchmarks/trace_replay.py: the write-back path asks per chunk).
+            shift, table = 64 - self.bits, self._table
+            rows = list(enumerate(self._multipliers[:, 0].tolist()))
+            found = [min(int(table[row, ((key * odd) & _MASK64) >> shift]) for row, odd in rows) for key in hashed.tolist()]
+            return np.array(found, dtype=np.uint8)
         index = self._index(hashed)
         return self._table[np.broadcast_to(self._rows, index.shape), index].min(axis=0)
 

@@ -132,7 +132,7 @@ def test_the_node_store_hands_its_reuse_sketch_to_the_object_tier(tmp_path, memo
     disk = {"path": str(tmp_path / "disk"), "capacity": 16 * RECORD}
     raw = store_config(tmp_path, capacity=8 * SIZE, reserve_slots=2, disk=disk)
     raw["tiers"]["object"] = {"url": memory_bucket}
-    raw["admission"] = {"store": {"object": object_admission, "min_uses": 2, "window": 4096}}
+    raw["admission"] = {"store": {"disk": "always", "object": object_admission, "min_uses": 2, "window": 4096}}
     store = NodeStore(load_config(raw), "node0")
     try:
         assert store.object is not None and store.disk is not None
