@@ -215,7 +215,8 @@ class Matrix:
         elif feature == "ngram":
             kwargs.update(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
         elif feature == "preempt":
-            kwargs.update(num_gpu_blocks_override=16 if model != MLA else 32)  # 512 tokens for three requests of ~250
+            # 18 blocks (576 tokens) for three requests of ~250: vLLM needs one max_model_len of room.
+            kwargs.update(num_gpu_blocks_override=18 if model != MLA else 36, max_model_len=512)
         return directory, kwargs
 
     def start(self, kwargs: dict[str, Any], kvstrata: bool) -> Any:
@@ -494,7 +495,7 @@ class Matrix:
             llm.reset_prefix_cache()  # vLLM's own cache: what it holds must come from kvstrata
         before_stats = ray.get(self.store.stats.remote())
 
-        # 3. Served again (preempt: as the last of three requests on a 16-block KV cache).
+        # 3. Served again (preempt: as the last of three requests on an 18-block KV cache).
         if cell.feature == "preempt":
             others = [prompt(f"cell {i} other {j}", 200, seed=500 + i * 2 + j) for j in range(2)]
             outcomes = self.generate(llm, others + [served], max_tokens=24)
