@@ -15,10 +15,8 @@ import asyncio
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
 import kvstrata.connector.compat  # noqa: F401 - vLLM's hashing imported before any decision is timed
-import kvstrata.routing.router as router_module
 from kvstrata.actors.directory import DirectoryShard
 from kvstrata.routing.keys import chunks_of_prompt
 from kvstrata.routing.router import TierAwareRouter
@@ -28,6 +26,15 @@ from tests.utils import FakeClock
 PROBE = PROMPT[:12]  # the readiness probe: a short completion, no whole block
 TURN1 = PROMPT[:700]  # system prompt + first user turn: 5 whole chunks of 128 tokens
 TURN2 = PROMPT[:1100]  # ... + the reply and the next user turn
+
+
+def patch_router(monkeypatch, read_cluster) -> None:
+    """The stores' figures from `read_cluster`; no tokenizer to warm up. Patched in the
+    globals each method reads them from: Serve's RequestRouterConfig cloudpickles the
+    router class (tests/routing/test_figures.py makes one), which gives the class's
+    methods globals of their own, apart from the module's."""
+    monkeypatch.setitem(TierAwareRouter._refresh_forever.__globals__, "read_cluster", read_cluster)
+    monkeypatch.setitem(TierAwareRouter._warm_up.__globals__, "_warm_up", lambda tokenizers: None)
 
 
 async def settle() -> None:
@@ -49,9 +56,9 @@ def test_the_second_turn_goes_to_the_first_turns_node_after_a_readiness_probe(mo
         by_node = {r.node_id: r for r in candidates}
         return [[by_node[probe_to], *[r for r in candidates if r.node_id != probe_to]]]
 
-    monkeypatch.setattr(router_module, "read_cluster", read_cluster)
-    monkeypatch.setattr(router_module, "_warm_up", lambda tokenizers: None)
-    monkeypatch.setattr(PowerOfTwoChoicesRequestRouter, "choose_replicas", power_of_two)
+    patch_router(monkeypatch, read_cluster)
+    pow_2 = TierAwareRouter._fallback.__globals__["PowerOfTwoChoicesRequestRouter"]
+    monkeypatch.setattr(pow_2, "choose_replicas", power_of_two)
     clock = FakeClock()
 
     async def route(made: TierAwareRouter, n: int, tokens: list[int], seconds: float):
@@ -98,8 +105,7 @@ def test_a_replica_on_a_new_node_has_its_figures_read_at_once(monkeypatch):
         reads.append(set(nodes))
         return figures(DirectoryShard(0))
 
-    monkeypatch.setattr(router_module, "read_cluster", read_cluster)
-    monkeypatch.setattr(router_module, "_warm_up", lambda tokenizers: None)
+    patch_router(monkeypatch, read_cluster)
 
     async def run():
         made = TierAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
