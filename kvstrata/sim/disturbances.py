@@ -175,12 +175,8 @@ class Disturbances:
     def act_stall(self, ms: float) -> bool:
         """The store is busy in one call for `ms` (a long purge, a hung disk read)."""
         self.stalls.append(Stall(self.clock(), ms / 1000))
-        serving = getattr(self.store, "_serving", None)
-        if serving is None:
+        with self.store.serving():  # as each engine call is wrapped: a long one is a stall (store/control.py)
             self.advance_to(self.clock() + ms / 1000)
-        else:
-            with serving():
-                self.advance_to(self.clock() + ms / 1000)
         return True
 
     def act_restart(self) -> bool:

@@ -135,7 +135,7 @@ def known_slots(world: World, m) -> set[int]:
         if call.channel is m._channel and call.reply is not None and (call.awaited or call.state != "done"):
             slots.update(call.reply.reserved)
             slots.update(call.reply.pinned.values())
-    session = getattr(world.store, "_sessions", {}).get(m.holder)
+    session = world.store.control.session(m.holder)
     if session is not None and session.reply is not None and outbox.sent is not None and outbox.sent.rid == session.rid:
         slots.update(session.reply.reserved)  # applied, its answer lost: the resend brings it back
         slots.update(session.reply.pinned.values())

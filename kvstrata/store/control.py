@@ -111,6 +111,10 @@ class StoreControl:
     def ping(self) -> str:
         return self._ctx.arena.epoch
 
+    def session(self, holder: str) -> Session | None:
+        """The bound holder's session (its last request id and kept reply), for the simulation's checks."""
+        return self._sessions.get(holder)
+
     @contextmanager
     def serving(self) -> Iterator[None]:
         """Around each call engines make: a call that took longer than `STALL_SECONDS` (the
