@@ -1,6 +1,6 @@
 """Background jobs as events: executors the simulation runs one job at a time, when it chooses.
 
-The node store asks an `ExecutorFactory` for one executor per role (actors/executors.py:
+The node store asks an `ExecutorFactory` for one executor per role (store/executors.py:
 `disk`, `object`, `peer`, `disk-digest`). The simulation gives it `SimExecutor`s: `submit`
 queues the job and returns its future; the job runs only when the simulation's scheduler
 picks it (`World.act_job`), whole, on the simulation's thread. All roles share one

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvstrata.sim.mutation import Mutant
 
-CONTROL = "kvstrata/actors/store_control.py"
+CONTROL = "kvstrata/store/control.py"
 ARENA = "kvstrata/tiers/arena.py"
 PINS = "kvstrata/connector/pins.py"
 INBOX = "kvstrata/connector/inbox.py"
@@ -78,15 +78,15 @@ MUTANTS: list[Mutant] = [
     ),
     # --- issue #37, purges (store-purge, c78aade) and the long run's finding (f85075c) -------
     Mutant(
-        "purge-generation", "kvstrata/actors/purge.py",
-        "return self._generations.get(namespace, 0) != generation",
+        "purge-generation", "kvstrata/store/context.py",
+        "return self._of.get(namespace, 0) != generation",
         "return False",
         "c78aade: work queued before a purge does not commit after it (#37 finding 3)",
         "random:100000",
     ),
     Mutant(
         "late-commit-after-purge", CONTROL,
-        "if committed and self._purged_since(namespace, heard.get(namespace, self._generation(namespace))):",
+        "if committed and generations.purged_since(namespace, heard.get(namespace, generations.current(namespace))):",
         "if False:",
         "f85075c: commits an engine sent before it heard of a purge are not indexed after it (seed 1220)",
         "scenario:late-commit-after-purge",

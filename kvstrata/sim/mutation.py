@@ -41,7 +41,7 @@ CONTROL = "(unmutated)"
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    path: str  # the file, relative to the repository root: "kvstrata/actors/store_control.py"
+    path: str  # the file, relative to the repository root: "kvstrata/store/control.py"
     old: str  # the line's exact text without its indentation
     new: str  # what replaces it (indented as the old line)
     fix: str  # the fix it reverts: commit, issue finding

@@ -190,7 +190,7 @@ class World(Disturbances):
         return store
 
     def _executor(self, role: str, threads: int) -> SimExecutor:
-        """The store's executor of a role (actors/executors.py): every job an event."""
+        """The store's executor of a role (store/executors.py): every job an event."""
         if role == "disk-digest":  # a write waits on its checksums; a read's land later, in order
             return SimExecutor(self.jobs, role, queued=lambda name: name == "verify", fifo=True)
         return SimExecutor(self.jobs, role)

@@ -203,7 +203,7 @@ def test_the_sweep_keeps_the_bucket_within_capacity_and_forgets_what_it_deleted(
     store_a, cfg = new_store("a", slots=16, reserve_slots=4, capacity=2 * record)
     writer = new_manager(store_a, cfg, holder="writer")
     keys = [key(i) for i in range(4)]
-    data = store_chunks(store_a, writer, keys, settle=True)  # uploaded before they are backdated
+    data = store_chunks(store_a, writer, keys)
     base = datetime(2026, 1, 1, tzinfo=timezone.utc)
     for age, k in enumerate(keys):  # written in this order, a minute apart
         written(store_a.object, writer.namespace, k, base + timedelta(minutes=age))
