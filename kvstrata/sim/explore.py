@@ -138,9 +138,12 @@ class RunResult:
         return json.dumps({"seed": self.seed, "config": self.config.__dict__, "actions": self.actions})
 
 
-def run_seed(seed: int, max_events: int, deadline: float | None = None, purge_and_disk_races: bool = True) -> RunResult:
-    """Run one seed until a violation, `max_events` actions or the wall-clock `deadline`."""
-    config = config_for(seed, purge_and_disk_races)
+def run_seed(
+    seed: int, max_events: int, deadline: float | None = None, purge_and_disk_races: bool = True, reach: bool = True
+) -> RunResult:
+    """Run one seed until a violation, `max_events` actions or the wall-clock `deadline`
+    (`reach`: with issue #51's paths, `config_for`)."""
+    config = config_for(seed, purge_and_disk_races, reach)
     world = World(config)
     explorer = Explorer(world, random.Random(seed))
     actions: list[Action] = []

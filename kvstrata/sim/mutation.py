@@ -85,8 +85,8 @@ def scratch_copy(mutant: Mutant | None, package: Path = PACKAGE) -> tuple[Path |
     target = root / "kvstrata" / relative
     mutated = mutate(target.read_text(), mutant) if target.is_file() else None
     if mutated is None:
-        shutil.rmtree(root, ignore_errors=True)
         where = "no such file" if not target.is_file() else "the line is not in it exactly once"
+        shutil.rmtree(root, ignore_errors=True)
         return None, f"{mutant.path}: {where}: {mutant.old.strip()!r}"
     target.write_text(mutated)
     return root, ""

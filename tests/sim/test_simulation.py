@@ -19,6 +19,7 @@ from kvstrata.tiers.reuse import DeferredReuse
 
 RANDOM_EVENTS = 100_000
 RANDOM_SECONDS = 45.0
+WRONG_BYTES = ("other bytes", "under a load")
 
 
 @pytest.fixture(autouse=True)
@@ -53,17 +54,18 @@ def test_a_hole_in_the_protocol_is_caught_shrunk_and_replayed(monkeypatch):
     the store is handed out at once), some seed soon reads another chunk's bytes; the
     run shrinks to a few dozen actions that replay to the same violation."""
     monkeypatch.setattr(DeferredReuse, "retire", lambda self, slot, key, removed_at=None: False)
-    for seed in range(40):  # (no weight updates: their engine restarts make the trace long to shrink)
-        result = run_seed(seed, 20_000, purge_and_disk_races=False)
+    for seed in range(40):  # (no weight updates nor #51's paths: they make the trace long to shrink)
+        result = run_seed(seed, 20_000, purge_and_disk_races=False, reach=False)
         if result.violations:
             break
     else:
         pytest.fail("no seed found the hole")
-    assert "other bytes" in result.violations[0], result.violations[0]
-    small = shrink(result.config, result.actions, result.violations[0], budget_s=15)
+    # A load that reads another chunk's bytes, or (since #51) the write that overwrites its slot under it
+    assert any(what in result.violations[0] for what in WRONG_BYTES), result.violations[0]
+    small = shrink(result.config, result.actions, result.violations[0], budget_s=90)  # (ends sooner when done)
     assert len(small) < min(len(result.actions), 400)
     again = replay(result.config, small)
-    assert again and "other bytes" in again[0]
+    assert again and any(what in again[0] for what in WRONG_BYTES)
 
 
 def test_a_purge_that_lets_its_work_in_flight_land_is_caught(monkeypatch):
