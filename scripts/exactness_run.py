@@ -516,7 +516,7 @@ class Matrix:
             problems.append(f"prompt logprobs off the reference by {prompt_gap}")
         if hit.cached != expected:
             problems.append(f"cached {hit.cached} tokens, expected {expected}")
-        same = "same-engine: n/a (the cold pass computed a shorter prompt)"
+        same = "same-engine: n/a (" + ("the cold pass ran on the TP 2 engine)" if cell.tp == "2>1" else "the cold pass computed a shorter prompt)")
         if computed is served and cell.tp != "2>1" and cell.feature != "preempt":
             exact = hit.tokens == cold.tokens and hit.logprobs == cold.logprobs
             tail = computed_positions(hit, len(served))
