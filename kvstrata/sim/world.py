@@ -32,7 +32,7 @@ from kvstrata.sim.disturbances import Disturbances, PurgeWatch, Stall, Swallowed
 from kvstrata.sim.engine import Copy, SimEngine
 from kvstrata.store.executors import InlineExecutor
 from kvstrata.sim.executors import JobQueue, SimExecutor
-from kvstrata.tiers.arena import Arena
+from kvstrata.tiers.arena import Arena, SlotError
 from kvstrata.tiers.records import HEADER_BYTES
 
 SLOT = 4096
@@ -251,7 +251,10 @@ class World(Disturbances):
         for arena in self.arenas.values():
             for pool in arena.pools.values():
                 if pool.geometry.path_template == path_template:
-                    return pool.view(slot)
+                    try:
+                        return pool.view(slot)
+                    except SlotError:  # a segment the pool gave back: its bytes are no chunk's
+                        return None
         return None
 
     def next_copy_id(self) -> int:

@@ -14,7 +14,10 @@ Invariants the rest of the system relies on:
   before its pin reached the store still reads its chunk's bytes.
 - Segments are named with the arena's epoch, so a restarted store never hands out a
   file that a worker of the previous store still has mapped under the same name.
-- The arena never shrinks while it lives; budget is shared by all namespaces, and a
+- A pool's segment numbers (so its slot numbers and file names) are never reused: a
+  wholly idle pool gives its segments back to the budget (`kvstrata.tiers.giveback`) and
+  grows later into new numbers, so no worker resolves a slot to a file it mapped before.
+- The arena's capacity never shrinks while it lives; budget is shared by all namespaces, and a
   tenant's pools never grow past its quota (`kvstrata.tiers.quotas`): at it they evict
   their own chunks, never another tenant's.
 """
@@ -32,6 +35,7 @@ import numpy as np
 from kvstrata.keys import key_name
 from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.geometry import PoolGeometry  # noqa: F401 (imported from here across the code)
+from kvstrata.tiers.giveback import make_room
 from kvstrata.tiers.leases import LeaseTable
 from kvstrata.tiers.orphans import Reclaimed, log_reclaimed, orphan_candidates, reclaim
 from kvstrata.tiers.policies import EvictionPolicy, make_policy
@@ -66,8 +70,9 @@ class SlotPool:
         self.arena = arena
         self.geometry = geometry
         self.policy = policy
-        self.segments: list[SharedMemoryFile] = []
-        self.num_slots = 0
+        self.segments: dict[int, SharedMemoryFile] = {}  # segment number -> its file
+        self.num_slots = 0  # slots of the live segments (the budget this pool holds)
+        self._next_segment = 0  # segment numbers are never reused (module docstring)
         self._free: list[int] = []
         self._reserved: dict[int, str] = {}
         self._slot_of: dict[bytes, int] = {}
@@ -93,6 +98,7 @@ class SlotPool:
         }
         self._grow_retry_at = float("-inf")
         self._pressed = False  # reservations wait on evicted slots (see `reserve`)
+        self.given_back = 0  # times this pool gave its segments back (`give_back`)
 
     @property
     def namespace(self) -> str:
@@ -117,10 +123,11 @@ class SlotPool:
 
     def view(self, slot: int) -> np.ndarray:
         """The bytes of one slot (a view into shared memory)."""
-        if not 0 <= slot < self.num_slots:
-            raise SlotError(f"slot {slot} does not exist in namespace {self.namespace}")
         segment, offset = self.geometry.locate(slot)
-        return self.segments[segment].array[offset : offset + self.geometry.slot_bytes]
+        mapped = self.segments.get(segment) if slot >= 0 else None
+        if mapped is None or offset + self.geometry.slot_bytes > mapped.size:
+            raise SlotError(f"slot {slot} does not exist in namespace {self.namespace}")
+        return mapped.array[offset : offset + self.geometry.slot_bytes]
 
     # --- state transitions -----------------------------------------------------------
 
@@ -351,7 +358,8 @@ class SlotPool:
             "slots": self.num_slots,
             "slot_bytes": self.geometry.slot_bytes,
             "segments": len(self.segments),
-            "huge_page_segments": sum(segment.huge_pages for segment in self.segments),
+            "huge_page_segments": sum(segment.huge_pages for segment in self.segments.values()),
+            "segments_given_back": self.given_back,
             "resident": len(self._slot_of),
             "free": len(self._free),
             "reserved": len(self._reserved),
@@ -364,7 +372,7 @@ class SlotPool:
         }
 
     def close(self) -> None:
-        for segment in self.segments:
+        for segment in self.segments.values():
             segment.close()
         self.segments.clear()
 
@@ -419,7 +427,7 @@ class SlotPool:
         never a crash), retried at most once per `GROW_RETRY_SECONDS`."""
         if self.arena.clock() < self._grow_retry_at:
             return False
-        segment_index = len(self.segments)
+        segment_index = self._next_segment
         slots = self.arena.grant_slots(self.geometry.slot_bytes, self.geometry.slots_per_segment, self.namespace)
         if slots == 0:
             return False
@@ -436,11 +444,12 @@ class SlotPool:
                     self.namespace, self.num_slots, exc.strerror or exc,
                 )  # fmt: skip
             return False
-        self.segments.append(segment)
+        self.segments[segment_index] = segment
+        self._next_segment = segment_index + 1
         first = segment_index * self.geometry.slots_per_segment
         # Hand out low slot numbers first: pop() takes from the end.
         self._free.extend(range(first + slots - 1, first - 1, -1))
-        self.num_slots = first + slots
+        self.num_slots += slots
         return True
 
 
@@ -518,8 +527,9 @@ class Arena:
     def grant_slots(self, slot_bytes: int, wanted: int, namespace: str = "") -> int:
         """How many slots of this size a new segment may have within the budget and the
         namespace's tenant quota (0 = none)."""
-        slots = min(wanted, (self.capacity - self._allocated) // slot_bytes)
+        make_room(self, namespace, wanted * slot_bytes)  # idle pools give their segments back
         room = self.quotas.room(namespace)
+        slots = min(wanted, (self.capacity - self._allocated) // slot_bytes)
         if room is not None:
             slots = min(slots, room // slot_bytes)
         if slots <= 0:
@@ -529,7 +539,7 @@ class Arena:
         return slots
 
     def return_slots(self, slot_bytes: int, slots: int, namespace: str = "") -> None:
-        """Give back budget granted for a segment that could not be created."""
+        """Give back budget granted for a segment that could not be created, or given back."""
         self._allocated -= slots * slot_bytes
         self.quotas.charge(namespace, -slots * slot_bytes)
 

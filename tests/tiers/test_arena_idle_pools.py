@@ -7,15 +7,21 @@ old one, but the purged pools kept their segments (2 x 16 free slots each) and t
 generation's pool got none (`reserve_shortfall` 1,600): from then on the engine stored
 nothing and every request was a miss (right answers, no cache) until the store restarts.
 The same happens to any new namespace (another model, another tenant) once the arena's
-budget was handed out. Not fixed yet: giving a segment back is only safe if no worker can
-still map its file under a name a later segment would reuse (docs/fault-matrix.md).
+budget was handed out. Fixed: a wholly idle pool gives its segments back when another
+pool needs budget (`kvstrata.tiers.giveback`); its segment numbers, hence file names and
+slot numbers, are never reused, so a worker's stale mapping is never resolved again.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kvstrata.tiers.arena import Arena
+import os
+
+import numpy as np
+
+from kvstrata.tiers.arena import Arena, SlotError
+from kvstrata.tiers.shm import SharedMemoryFile
 from tests.tiers.test_arena import SLOT, fill
 from tests.utils import FakeClock, key
 
@@ -27,7 +33,6 @@ def arena(tmp_path):
     arena.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 50: purged pools keep the arena's budget (open)")
 def test_a_new_namespace_gets_slots_once_the_old_one_is_purged(arena):
     old = arena.pool("old", SLOT)
     keys = [key(i) for i in range(4)]
@@ -37,3 +42,118 @@ def test_a_new_namespace_gets_slots_once_the_old_one_is_purged(arena):
     assert old.stats()["free"] == 4  # nothing of the old namespace is left
     new = arena.pool("new", SLOT)
     assert new.reserve("engine-g1", 2), "the new namespace got no slot from a budget only empty pools hold"
+
+
+def _segment_paths(pool):
+    return {pool.geometry.segment_path(number) for number in pool.segments}
+
+
+def _full_old_pool(arena, namespace="old"):
+    """A pool of four committed chunks (the fixture's whole budget: two segments), its writer's pins dropped."""
+    old = arena.pool(namespace, SLOT)
+    keys = [key(i) for i in range(4)]
+    fill(old, "engine-g0", keys)
+    old.unpin("engine-g0", [old.lookup(k) for k in keys])
+    return old, keys
+
+
+def test_a_worker_mapping_a_given_back_segment_never_sees_another_chunk_through_it(arena):
+    old, keys = _full_old_pool(arena)
+    old_paths = _segment_paths(old)
+    # A worker of the old generation mapped both segments (as `ArenaMap` does) and keeps them.
+    mapped = {path: SharedMemoryFile.attach(path) for path in old_paths}
+    before = {path: segment.array.copy() for path, segment in mapped.items()}
+    try:
+        old.purge()
+        new = arena.pool("new", SLOT)
+        new_keys = [key(100 + i) for i in range(4)]
+        fill(new, "engine-g1", new_keys, seed=1)
+        assert old.stats()["segments"] == 0 and old.stats()["segments_given_back"] == 1
+        assert not any(os.path.exists(path) for path in old_paths)  # unlinked: no one maps them again
+        assert not _segment_paths(new) & old_paths
+        # The old namespace grows again (an engine still watching it stores): new segment
+        # numbers, so every new slot resolves to a file no worker mapped before.
+        new.unpin("engine-g1", [new.lookup(k) for k in new_keys])
+        new.purge()
+        back = fill(old, "engine-g0b", [key(200 + i) for i in range(4)], seed=2)
+        for k in back:
+            slot = old.lookup(k)
+            assert old.geometry.segment_path(old.geometry.locate(slot)[0]) not in old_paths
+        with pytest.raises(SlotError):
+            old.view(0)  # a slot of a given-back segment names no bytes any more
+        for path, segment in mapped.items():  # the stale mappings saw none of the later bytes
+            assert np.array_equal(segment.array, before[path])
+    finally:
+        for segment in mapped.values():
+            segment.close()
+
+
+def _pinned(old, keys):
+    old.pin("reader", keys[:1])
+
+
+def _reserved(old, keys):
+    old.purge()
+    assert old.reserve("late-writer", 1)
+
+
+def _held(old, keys):
+    old.reuse.seq = lambda: 5
+    old.watch("watcher", 0)
+    slot = old.lookup(keys[0])
+    old.purge()
+    assert not old.hold("watcher", [(keys[0], slot)])  # a HIT answered from its mirror before the purge
+
+
+def _unacknowledged(old, keys):
+    old.reuse.seq = lambda: 5
+    old.watch("watcher", 0)
+
+
+@pytest.mark.parametrize("keeper", [_pinned, _reserved, _held, _unacknowledged])
+def test_a_pool_with_a_pinned_held_reserved_or_unacknowledged_slot_keeps_its_segments(arena, keeper):
+    old, keys = _full_old_pool(arena)
+    old_paths = _segment_paths(old)
+    keeper(old, keys)
+    old.purge()
+    new = arena.pool("new", SLOT)
+    assert new.reserve("engine-g1", 2) == []
+    assert old.stats()["segments"] == 2 and old.stats()["segments_given_back"] == 0
+    assert all(os.path.exists(path) for path in old_paths)
+    # Once the last of them lets go, the budget moves.
+    for holder in ("reader", "late-writer", "watcher"):
+        arena.release_holder(holder)
+    assert len(new.reserve("engine-g1", 2)) == 2
+    assert not any(os.path.exists(path) for path in old_paths)
+
+
+def test_an_unacknowledged_purge_gives_back_once_the_watcher_acknowledges(arena):
+    old, keys = _full_old_pool(arena)
+    old.reuse.seq = lambda: 5
+    old.watch("watcher", 0)
+    old.purge()
+    new = arena.pool("new", SLOT)
+    assert new.reserve("engine-g1", 1) == []
+    old.acknowledge("watcher", 5)
+    assert len(new.reserve("engine-g1", 1)) == 1
+
+
+def test_a_tenants_purged_generation_gives_its_quota_to_the_next_and_spares_other_tenants(tmp_path):
+    arena = Arena(str(tmp_path), "node0", capacity=16 * SLOT, segment_size=2 * SLOT, lease_seconds=10,
+                  prefault=False, clock=FakeClock(), quotas={"a": 4 * SLOT})  # fmt: skip
+    try:
+        for namespace, tenant in [("a-g0", "a"), ("a-g1", "a"), ("b", "b")]:
+            arena.quotas.assign(namespace, tenant)
+        idle_other = arena.pool("b", SLOT)
+        fill(idle_other, "engine-b", [key(50)])
+        idle_other.unpin("engine-b", [idle_other.lookup(key(50))])
+        idle_other.purge()  # idle, but the budget is not short: it keeps its segment
+        old, keys = _full_old_pool(arena, "a-g0")
+        old.purge()
+        new = arena.pool("a-g1", SLOT)
+        assert len(new.reserve("engine-a1", 4)) == 4  # the quota, not the budget, was short
+        assert old.stats()["segments"] == 0 and idle_other.stats()["segments"] == 1
+        assert arena.quotas.usage()["a"]["used"] == 4 * SLOT
+    finally:
+        arena.close()
+
