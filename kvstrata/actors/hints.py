@@ -11,7 +11,15 @@ counted, and nothing a hint does can fail an engine's request.
   the disk evict every chunk of lower priority first (tiers/retention.py). Kept by key, so
   chunks retained before they are stored are protected from their commit on.
 - `pin` / `unpin`: hold chunks in the arena until unpinned, within the tenant's pin quota
-  (`prefetch.pin_share`); chunks on a lower tier are promoted first.
+  (`prefetch.pin_share`); chunks on a lower tier are promoted first. Each pin has an owner
+  (hint_owners.py): an `unpin` ends only its owner's pin; `prefetch.pin_sources` says who
+  may pin (requests may not, by default).
+
+Bounds (what makes hints safe to take from HTTP clients): every number checked finite
+(hint_bounds.py), TTLs, leases and deadlines cut to their configured longest (counted),
+`MAX_HINT_KEYS` keys per batch of actions (one request's), a tenant's retentions within
+`prefetch.retain_share` of the table; anything else a hint gets wrong is refused and
+counted, never raised.
 
 Owns: the retention table (`_retention`), the `hints_*` and `retain_*` counters, the
 arena pools' and the disk tier's retention-aware eviction orders (installed at a
@@ -28,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstrata.actors.prefetch import Prefetch, _check_keys
+from kvstrata.hint_bounds import seconds
+from kvstrata.hint_owners import OPERATOR, may_pin, request_owner
 from kvstrata.namespaces import check_namespace
 from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.retention import MAX_PRIORITY, RetentionOrder, RetentionTable
@@ -37,7 +47,7 @@ RETAIN_ACTION = "kv.retain"
 PIN_ACTION = "pin"
 UNPIN_ACTION = "unpin"
 ACTIONS = (PREFETCH_ACTION, RETAIN_ACTION, PIN_ACTION, UNPIN_ACTION)
-MAX_HINT_KEYS = 65536  # keys in one action: a prompt of millions of tokens, not a flood
+MAX_HINT_KEYS = 65536  # keys in one batch of actions (one request's): a prompt of millions of tokens, not a flood
 
 
 class Hints(Prefetch):
@@ -66,8 +76,7 @@ class Hints(Prefetch):
         keys = _check_keys(keys)
         if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
             raise ValueError(f"retain priority must be an integer 0 to {MAX_PRIORITY}, got {priority!r}")
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not (math.isfinite(ttl_s) and ttl_s > 0):
-            raise ValueError(f"retain ttl must be positive seconds, got {ttl_s!r}")
+        ttl_s = seconds(ttl_s, "retain ttl", positive=True)
         report = {"retained": 0, "refused_full": 0, "ttl_cut": 0}
         longest = self.config.prefetch.max_retain_seconds
         if ttl_s > longest:
@@ -84,17 +93,22 @@ class Hints(Prefetch):
             self._install_retention(namespace)
         return report
 
-    def pin_chunks(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]:
-        """Hold `keys` in the arena until `unpin_chunks` (or a purge), promoting those on a
-        lower tier; within the tenant's pin quota (`refused_quota` past it)."""
+    def pin_chunks(self, namespace: str, keys: Sequence[bytes], owner: str = OPERATOR) -> dict[str, int]:
+        """Hold `keys` in the arena until `owner` unpins them (or a purge), promoting those on
+        a lower tier; within the tenant's pin quota (`refused_quota` past it), and only for
+        the sources `prefetch.pin_sources` names (`refused_source` otherwise)."""
         check_namespace(namespace)
         keys = _check_keys(keys)
         with self._lock:
+            if not may_pin(owner, self.config.prefetch.pin_sources):
+                self.counters["prefetch_refused_source"] += len(keys)
+                return {"refused_source": len(keys)}
             self._expire_holds()
-            return self._prefetch(namespace, keys, math.inf, pinned=True)
+            return self._prefetch(namespace, keys, math.inf, owner=owner)
 
-    def unpin_chunks(self, namespace: str, keys: Sequence[bytes]) -> int:
-        """End the pins of `keys` (chunks not pinned are ignored); how many ended."""
+    def unpin_chunks(self, namespace: str, keys: Sequence[bytes], owner: str = OPERATOR) -> int:
+        """End `owner`'s pins of `keys` (chunks it did not pin are ignored; a chunk others
+        pinned too stays held for them); how many of its pins ended."""
         check_namespace(namespace)
         keys = _check_keys(keys)
         ended = 0
@@ -102,13 +116,17 @@ class Hints(Prefetch):
             held = self._held.get(namespace, {})
             for key in keys:
                 hold = held.get(key)
-                if hold is not None and hold.pinned:
-                    self._release(namespace, key)
+                if hold is not None and owner in hold.owners:
+                    hold.owners.discard(owner)
+                    if not hold.owners:
+                        self._release(namespace, key)
                     ended += 1
                 want = self._wanted.get((namespace, key))
-                if want is not None and want.pinned:
-                    del self._wanted[(namespace, key)]  # on its way: it lands unheld
-                    self._waiting.get(namespace, set()).discard(key)
+                if want is not None and owner in want.owners:
+                    want.owners.discard(owner)
+                    if not want.owners:
+                        del self._wanted[(namespace, key)]  # on its way: it lands unheld
+                        self._waiting.get(namespace, set()).discard(key)
                     ended += 1
             self.counters["unpins"] += ended
         return ended
@@ -118,18 +136,21 @@ class Hints(Prefetch):
 
         An action: `{"action": "kv.prefetch" | "kv.retain" | "pin" | "unpin", "keys": [...],
         "priority": int, "ttl_seconds": float, "lease_seconds": float, "deadline_seconds":
-        float}` (what each action needs). A malformed one gets `{"ok": False, "error": why}`
-        and is counted (`hints_refused`); this call never raises for an action."""
+        float, "owner": str}` (what each action needs; `owner`: the request's tag, its pins'
+        owner is `request:<tag>`, hint_owners.py). A malformed one gets `{"ok": False,
+        "error": why}` and is counted (`hints_refused`); this call never raises for an
+        action. The batch's actions name `MAX_HINT_KEYS` keys at most together."""
         outcomes: list[dict[str, Any]] = []
+        budget = [MAX_HINT_KEYS]
         for index, action in enumerate(actions if isinstance(actions, Sequence) else ()):
             try:
-                outcomes.append({"ok": True, **self._apply(namespace, action)})
+                outcomes.append({"ok": True, **self._apply(namespace, action, budget)})
                 with self._lock:
                     self.counters["hints_applied"] += 1
-            except (ValueError, TypeError, KeyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a hint is advice: refused and counted, never raised
                 with self._lock:
                     self.counters["hints_refused"] += 1
-                outcomes.append({"ok": False, "error": f"hint action {index}: {exc}"})
+                outcomes.append({"ok": False, "error": f"hint action {index}: {type(exc).__name__}: {exc}"[:500]})
         return outcomes
 
     def retention_priority(self, namespace: str, key: bytes) -> int:
@@ -138,24 +159,26 @@ class Hints(Prefetch):
 
     # --- internals ----------------------------------------------------------------------
 
-    def _apply(self, namespace: str, action: Mapping[str, Any]) -> dict[str, Any]:
+    def _apply(self, namespace: str, action: Mapping[str, Any], budget: list[int]) -> dict[str, Any]:
         if not isinstance(action, Mapping):
             raise ValueError(f"an action is a mapping, got {type(action).__name__}")
         kind = action.get("action")
         keys = action.get("keys")
-        if len(keys or ()) > MAX_HINT_KEYS:
-            raise ValueError(f"{len(keys)} keys in one action; at most {MAX_HINT_KEYS}")
+        count = len(keys) if isinstance(keys, Sequence) else 0
+        if count > budget[0]:
+            raise ValueError(f"{count} keys: over the {budget[0]} this batch may still name (at most {MAX_HINT_KEYS})")
+        budget[0] -= count
+        owner = request_owner(action.get("owner"))
         if kind == PREFETCH_ACTION:
-            return self.prefetch(
-                namespace, keys, float(action.get("deadline_seconds", 0.0)), _optional_float(action, "lease_seconds")
-            )
+            deadline = action.get("deadline_seconds")
+            return self.prefetch(namespace, keys, 0.0 if deadline is None else deadline, action.get("lease_seconds"))
         if kind == RETAIN_ACTION:
             return self.retain(namespace, keys, action.get("priority"), action.get("ttl_seconds"))
         if kind == PIN_ACTION:
-            return self.pin_chunks(namespace, keys)
+            return self.pin_chunks(namespace, keys, owner)
         if kind == UNPIN_ACTION:
-            return {"unpinned": self.unpin_chunks(namespace, keys)}
-        raise ValueError(f"unknown action {kind!r} (known: {', '.join(ACTIONS)})")
+            return {"unpinned": self.unpin_chunks(namespace, keys, owner)}
+        raise ValueError(f"unknown action {kind!r:.40} (known: {', '.join(ACTIONS)})")
 
     def _install_retention(self, namespace: str, pool: SlotPool | None = None) -> None:
         """The namespace's pool (and the disk tier) evict retained chunks last, from its
@@ -178,7 +201,3 @@ class Hints(Prefetch):
         self._prefetch_purged(namespace)
         self._retention.forget_namespace(namespace)
 
-
-def _optional_float(action: Mapping[str, Any], name: str) -> float | None:
-    value = action.get(name)
-    return None if value is None else float(value)

@@ -44,7 +44,10 @@ def parse_ttl(value: object) -> float:
     """Seconds from a number or a duration as APIs write them: "300s", "5m", "1h", "24h", "2d"
     (a ValueError naming the value otherwise)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer beyond a double's range
+            raise ValueError(f"ttl {value!r:.40} is out of range") from None
     elif isinstance(value, str) and (match := _TTL.match(value)):
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     else:
