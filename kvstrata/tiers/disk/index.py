@@ -297,7 +297,10 @@ class SlabIndex:
         window of `REUSE_EVICTION_WINDOW` oldest candidates least-reused first (ties: oldest
         first). Busy records are skipped; a record dropped meanwhile (a dependent of one
         evicted before it) is not yielded. The caller may drop what it was given."""
-        candidates = (record for record in slab.policy.candidates() if record not in slab.busy)
+        # Checked as each is read, not when its window was: an anchor evicted just before drops
+        # its dependents, whose records the policy's window may still hold (a KeyError here
+        # once lost the batch's records and the namespace's disk tier for good).
+        candidates = (record for record in slab.policy.candidates() if record in slab.key_of and record not in slab.busy)
         retention_of = self.retention_of
         if retention_of is not None:  # a record dropped while deferred (a dependent) is not yielded
             named = ((record, slab.key_of[record]) for record in candidates)
