@@ -55,12 +55,15 @@ class Hints(Prefetch):
 
     def _init_hints(self) -> None:
         self._init_prefetch()
-        self._retention = RetentionTable(self._clock, self.config.prefetch.max_retained_chunks)
+        limits = self.config.prefetch
+        tenant_of = self.arena.quotas.tenant  # a tenant's retentions hold `retain_share` of the table at most
+        self._retention = RetentionTable(self._clock, limits.max_retained_chunks, tenant_of, limits.retain_share)
+        self._retention.listeners.append(self._retention_changed)
         self.counters.update(
             hints_applied=0,  # actions applied (some of their chunks may still be refused)
             hints_refused=0,  # actions refused whole: malformed, unknown action, bad namespace
             retain_chunks=0,  # chunks given a retention
-            retain_refused_full=0,  # retentions refused: the table holds `max_retained_chunks`
+            retain_refused_full=0,  # retentions refused: the table, or the tenant's `retain_share` of it, is full
             retain_ttl_cut=0,  # retentions whose TTL was cut to `max_retain_seconds`
             unpins=0,
         )
@@ -85,12 +88,12 @@ class Hints(Prefetch):
             if priority == 0:
                 self._retention.release(namespace, keys)
                 return report
+            self._install_retention(namespace)  # first: the orders hear this retention's keys
             refused = self._retention.retain(namespace, keys, priority, ttl_s)
             report["retained"], report["refused_full"] = len(keys) - refused, refused
             self.counters["retain_chunks"] += report["retained"]
             self.counters["retain_refused_full"] += refused
             self.counters["retain_ttl_cut"] += report["ttl_cut"]
-            self._install_retention(namespace)
         return report
 
     def pin_chunks(self, namespace: str, keys: Sequence[bytes], owner: str = OPERATOR) -> dict[str, int]:
@@ -184,10 +187,21 @@ class Hints(Prefetch):
         """The namespace's pool (and the disk tier) evict retained chunks last, from its
         first retention on (callers hold the lock)."""
         pool = pool or self.arena.pools.get(namespace)
+        table = self._retention
         if pool is not None and not isinstance(pool.policy, RetentionOrder):
-            pool.policy = RetentionOrder(pool.policy, pool.key_at, lambda key: self._retention.priority(namespace, key))
-        if self.disk is not None and self.disk.retention_of is None:
-            self.disk.retention_of = self._retention.priority
+            pool.policy = RetentionOrder(pool.policy, pool.key_at, lambda key: table.entry(namespace, key), table.clock)
+        if self.disk is not None:
+            self.disk.use_retention(table)
+
+    def _retention_changed(self, namespace: str, keys: list[bytes]) -> None:
+        """A table listener: the arena's order moves the slots whose keys' retention changed
+        (the disk tier listens for itself). Called under the store lock, by retain and purges."""
+        pool = self.arena.pools.get(namespace)
+        if pool is not None and isinstance(pool.policy, RetentionOrder):
+            for key in keys:
+                slot = pool.lookup(key)
+                if slot is not None:
+                    pool.policy.refresh(slot)
 
     def _hints_step(self, namespace: str, pool: SlotPool, used: list[bytes]) -> None:
         """Each engine step (store_control.py): held chunks it used end their prefetch hold;

@@ -43,7 +43,7 @@ def test_batches_that_evict_several_positions_keep_the_tier_working(tmp_path, re
     try:
         if retention:
             table = RetentionTable(FakeClock())
-            tier.retention_of = table.priority
+            tier.use_retention(table)
             table.retain(NS, [key(999)], 50, 60)  # any retention: the retention-aware order
         tier.set_anchor_groups(NS, [0])
         first = [k for i in range(3) for k in position(i)]
