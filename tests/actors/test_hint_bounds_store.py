@@ -124,3 +124,17 @@ def test_a_batch_names_a_bounded_number_of_keys(store):
     many = [key(i) for i in range(40000)]
     out = node.apply_hints(ns, [{"action": "kv.retain", "keys": many, "priority": 5, "ttl_seconds": 60}] * 2)
     assert out[0]["ok"] and not out[1]["ok"] and "over the" in out[1]["error"]
+
+
+def test_one_tenant_cannot_fill_the_retention_table_for_the_others(store):
+    node, _ = store(prefetch={"max_retained_chunks": 100, "retain_share": 0.5})
+    spaces = {}
+    for tenant in ("a", "b"):
+        lay = layout(prefix=tenant)
+        node.register(f"engine-{tenant}", lay.namespace, SLOT, lay.describe())
+        spaces[tenant] = lay.namespace
+    made_up = [key(100_000 + i) for i in range(100)]  # in no tier
+    flood = node.apply_hints(spaces["a"], [{"action": "kv.retain", "keys": made_up, "priority": 90, "ttl_seconds": 3600}])
+    assert flood[0]["retained"] == 50 and flood[0]["refused_full"] == 50  # its own share, no more
+    theirs = node.retain(spaces["b"], [key(i) for i in range(30)], 50, 60)
+    assert theirs["retained"] == 30 and theirs["refused_full"] == 0
