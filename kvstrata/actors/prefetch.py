@@ -179,7 +179,8 @@ class Prefetch(StoreState):
                 entry = hold or want
                 if pinned and not entry.pinned:  # a leased hold becomes a pin: it takes quota like any pin
                     if room <= 0:
-                        return self._refuse(self._start(namespace, pool, to_move, until, owner, report), "quota", len(keys) - index)
+                        started = self._start(namespace, pool, to_move, until, owner, report)
+                        return self._refuse(started, "quota", len(keys) - index)
                     room -= 1
                 self._extend(namespace, key, entry, until, owner)
                 report["joined"] += 1

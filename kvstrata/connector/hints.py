@@ -173,7 +173,8 @@ def parse_action(raw: Any, budget: Budget | None = None) -> HintAction:
     hashes = None
     if payload.get("block_hashes") is not None:
         raw_hashes = _sized(payload["block_hashes"], "block_hashes", budget)
-        if not isinstance(raw_hashes, (list, tuple)) or not all(isinstance(h, str) and len(h) <= MAX_HASH_HEX for h in raw_hashes):
+        well_formed = isinstance(raw_hashes, (list, tuple)) and all(isinstance(h, str) and len(h) <= MAX_HASH_HEX for h in raw_hashes)
+        if not well_formed:
             raise HintError(f"block_hashes must be a list of hex strings of at most {MAX_HASH_HEX} digits")
         try:
             hashes = tuple(bytes.fromhex(h) for h in raw_hashes)

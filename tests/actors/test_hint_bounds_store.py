@@ -111,7 +111,8 @@ def test_a_prefetch_lease_of_years_is_cut_to_the_longest_allowed(store):
     node, clock = store(prefetch={"max_lease_seconds": 60, "max_deadline_seconds": 30, "max_share": 1.0})
     ns = layout().namespace
     commit(node, [key(1), key(2)])
-    out = node.apply_hints(ns, [{"action": "kv.prefetch", "keys": [key(1), key(2)], "lease_seconds": 3e7, "deadline_seconds": 3e7}])
+    years = {"action": "kv.prefetch", "keys": [key(1), key(2)], "lease_seconds": 3e7, "deadline_seconds": 3e7}
+    out = node.apply_hints(ns, [years])
     assert out[0]["ok"] and node.counters["prefetch_lease_cut"] == 1
     assert max(node.prefetch_holds(ns).values()) <= 90
     clock.advance(91)
