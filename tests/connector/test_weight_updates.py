@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvstrata.actors.node_store import LocalStoreClient
+from kvstrata.store.node_store import LocalStoreClient
 from kvstrata.connector.compat import HAS_RESET_FLUSHED, LookupResult, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager
 from kvstrata.connector.weight_updates import WeightGenerations
