@@ -187,7 +187,7 @@ def test_a_stale_slow_tier_is_probed_in_the_background_and_the_request_does_not_
     split_prefix(store, writer, [key(3), key(4)], [key(1), key(2)])
     reader = make_manager(store, "reader")
     now = [1000.0]
-    store.tier_estimates = TierEstimates(clock=lambda: now[0])  # the estimate's age, set by the test
+    store.ctx.tier_estimates = TierEstimates(clock=lambda: now[0])  # the estimate's age, set by the test
     measured(store, reader, 4096.0)
     now[0] += 60.0  # stale_seconds is 30
     step(reader, store)

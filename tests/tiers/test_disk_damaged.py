@@ -80,7 +80,7 @@ def test_a_disk_tier_that_fails_in_any_way_leaves_the_store_serving_the_arena(tm
     def broken(*args, **kwargs):
         raise ZeroDivisionError("integer division or modulo by zero")
 
-    monkeypatch.setattr("kvstrata.store.node_store.DiskTier", broken)
+    monkeypatch.setattr("kvstrata.store.lower.DiskTier", broken)
     disk = {"path": str(tmp_path / "disk"), "capacity": CAPACITY}
     store = NodeStore(load_config(store_config(tmp_path, capacity=8 * SIZE, disk=disk)), "node0")
     try:
