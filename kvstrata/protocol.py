@@ -179,7 +179,8 @@ class HintAction:
         if len(self.keys) > MAX_HINT_KEYS:
             raise ValueError(f"{len(self.keys)} keys in one action; at most {MAX_HINT_KEYS}")
         priority = self.priority
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100):
+        bad_priority = isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100
+        if priority is not None and bad_priority:
             raise ValueError(f"priority must be an integer 0 to 100, got {priority!r:.40}")
         # Numbers as finite floats (frozen: set through object.__setattr__, once, here).
         object.__setattr__(self, "deadline_seconds", seconds(self.deadline_seconds, "deadline_seconds"))

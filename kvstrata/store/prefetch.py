@@ -231,7 +231,8 @@ class Prefetch:
                 if tier is not None:
                     source = tier.name
                 else:
-                    return self._refuse(self._start(namespace, pool, to_move, until, owner, report), "absent", len(keys) - index)
+                    started = self._start(namespace, pool, to_move, until, owner, report)
+                    return self._refuse(started, "absent", len(keys) - index)
             if room <= 0:
                 reason = "quota" if pinned else "budget"
                 return self._refuse(self._start(namespace, pool, to_move, until, owner, report), reason, len(keys) - index)
@@ -244,7 +245,13 @@ class Prefetch:
         return dict(self._start(namespace, pool, to_move, until, owner, report))
 
     def _start(
-        self, namespace: str, pool: SlotPool, to_move: dict[bytes, str], until: float, owner: str | None, report: Counter[str]
+        self,
+        namespace: str,
+        pool: SlotPool,
+        to_move: dict[bytes, str],
+        until: float,
+        owner: str | None,
+        report: Counter[str],
     ) -> Counter[str]:
         """Start the promotions of `to_move` (key -> source tier) unless recomputing them is cheaper."""
         if not to_move:
