@@ -359,6 +359,41 @@ class PrefetchConfig(_Strict):
     max_retained_chunks: int = Field(
         default=1_000_000, ge=0, description="chunks retained at once per node; retentions beyond are refused (counted)"
     )
+    retain_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="share of `max_retained_chunks` one tenant's retentions may hold; beyond it they are refused "
+        "(counted), so no tenant fills the table for the others",
+    )
+    max_lease_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        le=86400,
+        description="longest hold a prefetch (a `kv.prefetch` hint's `lease_seconds`, `kvstrata warm --lease`) gets; "
+        "longer ones are cut to it (counted)",
+    )
+    max_deadline_seconds: float = Field(
+        default=600.0,
+        ge=0,
+        le=86400,
+        description="latest a prefetch's expected use (`deadline_seconds`) may be; later ones are cut to it (counted)",
+    )
+    pin_sources: list[Literal["operator", "request"]] = Field(
+        default=["operator"],
+        description="who may `pin`: `operator` (`kvstrata warm --pin`, the store's Python and Ray calls), "
+        "`request` (`pin` hints in requests, i.e. any HTTP client); a pin from another source is refused (counted)",
+    )
+    hint_max_actions: int = Field(
+        default=32, ge=0, le=1024, description="hint actions one request may carry; further ones are dropped (counted)"
+    )
+    hint_max_tokens: int = Field(
+        default=131072,
+        ge=0,
+        le=16_777_216,
+        description="token ids (or block hashes) the hint actions of one request may name together, checked before "
+        "any hashing; an action past it is dropped (counted)",
+    )
 
 
 class RayConfig(_Strict):

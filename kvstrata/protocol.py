@@ -20,10 +20,12 @@ requests exactly in the order the engine built them, whatever the calls' fates.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from kvstrata.hint_bounds import seconds
+from kvstrata.hint_owners import MAX_TAG_CHARS
 
 
 @dataclass
@@ -143,7 +145,9 @@ PIN_ACTION = "pin"
 UNPIN_ACTION = "unpin"
 ACTIONS = (PREFETCH_ACTION, RETAIN_ACTION, PIN_ACTION, UNPIN_ACTION)
 HintName = Literal["kv.prefetch", "kv.retain", "pin", "unpin"]
-MAX_HINT_KEYS = 65536  # keys in one action: a prompt of millions of tokens, not a flood
+# Keys in one action, and in one batch of actions (one request's: store/hints.py's
+# `apply_hints`): a prompt of millions of tokens, not a flood.
+MAX_HINT_KEYS = 65536
 
 
 @dataclass(frozen=True)
@@ -151,8 +155,17 @@ class HintAction:
     """One KV hint over chunk keys, as a store applies it (store/hints.py).
 
     `kv.prefetch` uses `deadline_seconds` and `lease_seconds`, `kv.retain` `priority` and
-    `ttl_seconds`; `pin` and `unpin` only the keys. On the wire (a Ray call, Python's
-    `kvstrata.hints`) it travels as the mapping `to_wire` makes."""
+    `ttl_seconds`; `pin` and `unpin` only the keys. `owner`: the tag of the request that
+    sent it (its `cache_salt`, "" without one); the store owns the pins of a batch of hints
+    as `request:<owner>` (hint_owners.py), never as the operator's. On the wire (a Ray
+    call, Python's `kvstrata.hints`) it travels as the mapping `to_wire` makes.
+
+    Checked here, once, for every action built (the engine) or read from the wire (the
+    store): a known name, the keys a list of at most `MAX_HINT_KEYS`, every number finite
+    and in range (hint_bounds.py: an integer beyond a double's range is a ValueError, never
+    an OverflowError), the owner a string of at most `hint_owners.MAX_TAG_CHARS`. The
+    configured maxima (leases, deadlines, TTLs) are the store's to apply (prefetch.py,
+    hints.py): they bound the operator's calls too."""
 
     action: HintName
     keys: list[bytes]
@@ -160,19 +173,32 @@ class HintAction:
     ttl_seconds: float | None = None
     lease_seconds: float | None = None
     deadline_seconds: float = 0.0
+    owner: str = ""
 
     def __post_init__(self) -> None:
-        if self.action not in ACTIONS:
-            raise ValueError(f"unknown action {self.action!r} (known: {', '.join(ACTIONS)})")
-        if len(self.keys or ()) > MAX_HINT_KEYS:
+        if not isinstance(self.action, str) or self.action not in ACTIONS:
+            raise ValueError(f"unknown action {self.action!r:.40} (known: {', '.join(ACTIONS)})")
+        if isinstance(self.keys, (bytes, str)) or not isinstance(self.keys, Sequence):
+            raise ValueError(f"an action's keys are a list of chunk keys, got {type(self.keys).__name__}")
+        if len(self.keys) > MAX_HINT_KEYS:
             raise ValueError(f"{len(self.keys)} keys in one action; at most {MAX_HINT_KEYS}")
-        if not math.isfinite(self.deadline_seconds):
-            raise ValueError(f"deadline_seconds must be finite seconds, got {self.deadline_seconds!r}")
+        priority = self.priority
+        bad_priority = isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100
+        if priority is not None and bad_priority:
+            raise ValueError(f"priority must be an integer 0 to 100, got {priority!r:.40}")
+        # Numbers as finite floats (frozen: set through object.__setattr__, once, here).
+        object.__setattr__(self, "deadline_seconds", seconds(self.deadline_seconds, "deadline_seconds"))
+        if self.lease_seconds is not None:
+            object.__setattr__(self, "lease_seconds", seconds(self.lease_seconds, "lease_seconds", positive=True))
+        if self.ttl_seconds is not None:
+            object.__setattr__(self, "ttl_seconds", seconds(self.ttl_seconds, "ttl_seconds", positive=True))
+        if not isinstance(self.owner, str) or len(self.owner) > MAX_TAG_CHARS:
+            raise ValueError(f"owner must be a string of at most {MAX_TAG_CHARS} characters, got {self.owner!r:.40}")
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "action": self.action, "keys": self.keys, "priority": self.priority, "ttl_seconds": self.ttl_seconds,
-            "lease_seconds": self.lease_seconds, "deadline_seconds": self.deadline_seconds,
+            "lease_seconds": self.lease_seconds, "deadline_seconds": self.deadline_seconds, "owner": self.owner,
         }  # fmt: skip
 
     @classmethod
@@ -180,17 +206,16 @@ class HintAction:
         """The action a mapping describes; a ValueError (or TypeError) naming what is wrong."""
         if not isinstance(raw, Mapping):
             raise ValueError(f"an action is a mapping, got {type(raw).__name__}")
-        keys = raw.get("keys")
-        if len(keys or ()) > MAX_HINT_KEYS:
-            raise ValueError(f"{len(keys)} keys in one action; at most {MAX_HINT_KEYS}")
-        lease = raw.get("lease_seconds")
-        return cls(
-            action=raw.get("action"),  # type: ignore[arg-type] - checked in __post_init__
-            keys=keys,
+        deadline = raw.get("deadline_seconds")
+        owner = raw.get("owner")
+        return cls(  # __post_init__ checks every field
+            action=raw.get("action"),  # type: ignore[arg-type]
+            keys=raw.get("keys"),  # type: ignore[arg-type]
             priority=raw.get("priority"),
             ttl_seconds=raw.get("ttl_seconds"),
-            lease_seconds=None if lease is None else float(lease),
-            deadline_seconds=float(raw.get("deadline_seconds", 0.0) or 0.0),
+            lease_seconds=raw.get("lease_seconds"),
+            deadline_seconds=0.0 if deadline is None else deadline,
+            owner="" if owner is None else owner,
         )
 
 

@@ -45,14 +45,23 @@ def prompt_token_ids(prompt: str | Sequence[int], tokenizer: str, chat: bool = F
         raise WarmError(f"cannot load the tokenizer {tokenizer!r}: {tokenizers.error}")
     if not chat:
         return list(loaded.encode(prompt, add_special_tokens=True))
-    try:
-        messages = json.loads(prompt)
-    except json.JSONDecodeError as exc:
-        raise WarmError(f"a chat prompt is a JSON list of messages: {exc}") from None
+    messages = chat_messages(prompt)
     ids = render_token_ids(loaded, SimpleNamespace(messages=messages, add_generation_prompt=True))
     if ids is None:
         raise WarmError("the chat has content other than text")
     return ids
+
+
+def chat_messages(text: str) -> list[dict[str, Any]]:
+    """A chat prompt's messages: a JSON list of objects, or a WarmError saying what it is instead."""
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WarmError(f"a chat prompt is a JSON list of messages: {exc}") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        kind = type(messages).__name__ if not isinstance(messages, list) else "a list with items that are not objects"
+        raise WarmError(f"a chat prompt is a JSON list of messages (objects with role and content), not {kind}")
+    return messages
 
 
 def warm(
@@ -69,20 +78,29 @@ def warm(
     hash_seed: str | None = None,
     node_id: str | None = None,
     wait_s: float = 30.0,
+    tenant: str = "",
 ) -> list[dict[str, Any]]:
     """Prefetch (or `pin`) a prompt's chunks into a node's arena, and with `ttl_s` retain
     them there and on disk at `priority`; one report per layout namespace of the model.
 
     The calling process must be in the Ray cluster (`kvstrata.actors.client.join_cluster`).
-    `wait_s`: wait this long at most for the moves to land (0: return at once)."""
+    `wait_s`: wait this long at most for the moves to land (0: return at once). `tenant`:
+    the `namespace_prefix` of the engines whose namespaces to warm (the default tenant, "",
+    unless named): a warm lands in that tenant's copy of the model only."""
     from kvstrata.actors.client import store_client
 
     store = store_client(node_id, CALL_TIMEOUT_SECONDS)
     stats = store.stats()
     figures = node_figures(stats["node_id"], stats)
-    namespaces = figures.namespaces(model)
+    namespaces = figures.namespaces(model, tenant)
     if not namespaces:
         known = sorted({m for models in figures.models.values() for m in models})
+        tenants = sorted({figures.tenants.get(ns, "") for ns in figures.namespaces(model)})
+        if tenants:
+            raise WarmError(
+                f"no engine of model {model!r} of tenant {tenant!r} has registered with the store on node "
+                f"{stats['node_id']} (its tenants there: {', '.join(repr(t) for t in tenants)}); name one with --tenant"
+            )
         raise WarmError(
             f"no engine of model {model!r} has registered with the store on node {stats['node_id']} "
             f"(models there: {', '.join(known) or 'none'}); start one first"

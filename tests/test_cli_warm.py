@@ -24,3 +24,22 @@ def test_a_bad_ttl_is_a_usage_error_naming_it(tmp_path, capsys, ttl):
     with pytest.raises(SystemExit) as exit_:
         main(["warm", "--model", "m", "--prompt-file", str(prompt), "--ttl", ttl])
     assert exit_.value.code == 2 and "--ttl" in capsys.readouterr().err
+
+
+def test_a_prompt_file_that_is_not_utf8_exits_2_naming_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(client, "join_cluster", lambda *a, **k: pytest.fail("joined a cluster"))
+    prompt = tmp_path / "latin1.txt"
+    prompt.write_bytes("café au lait".encode("latin-1"))
+    assert main(["warm", "--model", "m", "--prompt-file", str(prompt)]) == 2
+    err = capsys.readouterr().err
+    assert str(prompt) in err and "not UTF-8" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("chat", ['{"role": "user", "content": "hi"}', '["hi"]', "not json"])
+def test_a_chat_file_that_is_not_a_list_of_messages_exits_2_naming_it(monkeypatch, tmp_path, capsys, chat):
+    monkeypatch.setattr(client, "join_cluster", lambda *a, **k: pytest.fail("joined a cluster"))
+    prompt = tmp_path / "chat.json"
+    prompt.write_text(chat)
+    assert main(["warm", "--model", "m", "--prompt-file", str(prompt), "--chat"]) == 2
+    err = capsys.readouterr().err
+    assert str(prompt) in err and "JSON list of messages" in err

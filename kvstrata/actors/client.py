@@ -13,6 +13,7 @@ import os
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
+from kvstrata import ray_address
 from kvstrata.actors.node_actor import NodeStoreActor
 from kvstrata.actors.options import STORE_NAMESPACE, node_store_options, store_actor_name
 from kvstrata.actors.secrets import stash_secrets
@@ -36,7 +37,10 @@ def join_cluster(address: str = "auto", logging_level: int = logging.INFO) -> No
     if ray.is_initialized():
         return
     try:
+        ray_address.check(address)  # a dead address fails in seconds, not minutes in ray.init
         ray.init(address=address, namespace=STORE_NAMESPACE, log_to_driver=False, logging_level=logging_level)
+    except ray_address.Unreachable as exc:
+        raise StoreUnavailable(f"kvstrata needs a running Ray cluster: {exc}") from None
     except ConnectionError as exc:
         raise StoreUnavailable(
             f"kvstrata needs a running Ray cluster on this node and found none at address "

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--chat", action="store_true", help="the file is chat messages, rendered by the chat template")
     warm.add_argument("--tokenizer", default=None, help="where to load the tokenizer from (default: --model)")
     warm.add_argument("--cache-salt", default=None, help="the requests' cache_salt, if they set one")
+    warm.add_argument("--tenant", default="", help="the engines' namespace_prefix (default: the default tenant, '')")
     warm.add_argument("--node", default=None, help="the Ray node whose store to warm (default: this node)")
     warm.add_argument("--wait", default=30.0, type=float, help="seconds to wait for the chunks to land (0: do not)")
     down = command("down", "Unlink the arena and end this node's store (with a `cluster` section: every store and the directory).")
@@ -265,15 +266,28 @@ def _gather(node: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]
 def _warm(config: KvstrataConfig, console: Console, args: argparse.Namespace) -> int:
     """Read the prompt (a missing file fails before any cluster is joined), then warm it."""
     from kvstrata.actors.client import join_cluster
-    from kvstrata.warm import WarmError, warm
+    from kvstrata.warm import WarmError, chat_messages, warm
 
     try:
         with open(args.prompt_file, encoding="utf-8") as file:
             prompt = file.read()
+        if args.chat:
+            chat_messages(prompt)  # a file that is no chat fails here, before any cluster is joined
+    except UnicodeDecodeError as exc:
+        print(f"kvstrata warm: {args.prompt_file} is not UTF-8 text (byte {exc.start}: {exc.reason})", file=sys.stderr)
+        return 2
+    except WarmError as exc:
+        print(f"kvstrata warm: {args.prompt_file}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvstrata warm: {exc}", file=sys.stderr)
+        return 2
+    try:
         join_cluster(args.address or config.ray.address, logging_level=logging.WARNING)
         reports = warm(
             args.model, prompt, ttl_s=args.ttl, priority=args.priority, pin=args.pin, chat=args.chat,
             tokenizer=args.tokenizer, cache_salt=args.cache_salt, node_id=args.node, wait_s=args.wait,
+            tenant=args.tenant,
         )  # fmt: skip
     except (OSError, WarmError) as exc:
         print(f"kvstrata warm: {exc}", file=sys.stderr)

@@ -21,8 +21,13 @@ Actions (`action_version` 1.x; payloads are JSON):
 - `pin` / `unpin` (also `kv.pin` / `kv.unpin`): the same chunk selection as retain.
 
 A malformed action, or one this vLLM cannot serve, is dropped with one log line and the
-`hints_dropped` counter; a hint never fails or delays its request. The store is the
-trust boundary: it checks every action again (store/hints.py).
+`hints_dropped` counter; a hint never fails or delays its request: nothing raised while
+reading or sending hints leaves `on_new_request` / `on_request_finished`. Every number is
+checked finite (hint_bounds.py: an integer beyond a double's range is a malformed hint, not
+an OverflowError), and sizes are capped before any hashing: `prefetch.hint_max_actions`
+actions and `prefetch.hint_max_tokens` token ids (or block hashes) per request, counted
+by their length before a single element is read. The store is the trust boundary: it
+checks every action again and caps leases, deadlines and TTLs (store/hints.py).
 
 Invariants: `on_new_request` costs a request without hints two attribute reads; sending is
 Ray's asynchronous call (no wait on the scheduler thread); a request's pending actions
@@ -37,7 +42,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata import protocol
+from kvstrata.config import PrefetchConfig
 from kvstrata.connector.compat import ReqContext, key_positions, prefix_block_hashes
+from kvstrata.hint_bounds import seconds
+from kvstrata.hint_owners import MAX_TAG_CHARS
 from kvstrata.keys import Layout, chunk_keys
 from kvstrata.tiers.retention import parse_ttl as retention_ttl
 
@@ -51,12 +59,32 @@ ACTION_TYPES = {
     "pin": PIN, "kv.pin": PIN, "unpin": UNPIN, "kv.unpin": UNPIN,
 }  # fmt: skip
 TRANSFER_PARAMS_KEY = "kv_hints"  # kv_transfer_params["kv_hints"]: the envelope, where vLLM has none or HTTP drops it
-MAX_ACTIONS = 32
+MAX_ACTIONS = PrefetchConfig().hint_max_actions  # per request, unless the config says otherwise
+MAX_RANGES = 64  # token ranges in one action
+MAX_HASH_HEX = 128  # hex digits of one block hash (vLLM's are 64)
+MAX_SALT_CHARS = 4096
 DEFAULT_PRIORITY = 50
 
 
 class HintError(ValueError):
     """A hint action this engine will not send; says which and why."""
+
+
+class Budget:
+    """What the hints of one request may still name: actions, and token ids or block hashes
+    together (`prefetch.hint_max_actions`, `prefetch.hint_max_tokens`)."""
+
+    def __init__(self, actions: int = MAX_ACTIONS, tokens: int = PrefetchConfig().hint_max_tokens):
+        self.actions = actions
+        self.limit = actions
+        self.tokens = tokens
+        self.left_out = 0  # actions left out beyond the one error line that names them
+
+    def take(self, count: int, what: str) -> None:
+        """Charge `count` token ids (or hashes), or refuse the action before anything is read."""
+        if count > self.tokens:
+            raise HintError(f"{what}: {count} items, over the {self.tokens} this request's hints may still name")
+        self.tokens -= count
 
 
 @dataclass(frozen=True)
@@ -87,6 +115,13 @@ def parse_ttl(value: Any) -> float:
         raise HintError(str(exc)) from None
 
 
+def _seconds(value: Any, name: str) -> float:
+    try:
+        return seconds(value, name)
+    except ValueError as exc:
+        raise HintError(str(exc)) from None
+
+
 def _field(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
 
@@ -105,6 +140,8 @@ def _ranges(payload: Mapping[str, Any]) -> tuple[tuple[int, int], ...] | None:
         return None
     if not isinstance(raw, (list, tuple)):
         raise HintError("token_ranges must be a list of [start, end] pairs")
+    if len(raw) > MAX_RANGES:
+        raise HintError(f"{len(raw)} token ranges in one action; at most {MAX_RANGES}")
     ranges = []
     for pair in raw:
         start, end = _ints(pair, "a token range") if isinstance(pair, (list, tuple)) and len(pair) == 2 else (None, None)
@@ -114,8 +151,17 @@ def _ranges(payload: Mapping[str, Any]) -> tuple[tuple[int, int], ...] | None:
     return tuple(ranges)
 
 
-def parse_action(raw: Any) -> HintAction:
-    """One envelope action (`KvHintAction` or its JSON form) in kvstrata's terms."""
+def _sized(value: Any, what: str, budget: Budget | None) -> Any:
+    """`value`'s length charged to the request's budget before any element is read."""
+    if budget is not None and isinstance(value, (list, tuple)):
+        budget.take(len(value), what)
+    return value
+
+
+def parse_action(raw: Any, budget: Budget | None = None) -> HintAction:
+    """One envelope action (`KvHintAction` or its JSON form) in kvstrata's terms; with
+    `budget`, its token ids or block hashes are charged to the request's (by their length,
+    before any is read)."""
     kind = ACTION_TYPES.get(_field(raw, "action_type"))
     if kind is None:
         raise HintError(f"action type {_field(raw, 'action_type')!r} is not one kvstrata serves ({', '.join(ACTION_TYPES)})")
@@ -125,18 +171,24 @@ def parse_action(raw: Any) -> HintAction:
     payload = _field(raw, "payload") or {}
     if not isinstance(payload, Mapping):
         raise HintError("payload must be a mapping")
-    token_ids = _ints(payload["token_ids"], "token_ids") if payload.get("token_ids") is not None else None
+    token_ids = None
+    if payload.get("token_ids") is not None:
+        token_ids = _ints(_sized(payload["token_ids"], "token_ids", budget), "token_ids")
     hashes = None
     if payload.get("block_hashes") is not None:
+        raw_hashes = _sized(payload["block_hashes"], "block_hashes", budget)
+        well_formed = isinstance(raw_hashes, (list, tuple)) and all(isinstance(h, str) and len(h) <= MAX_HASH_HEX for h in raw_hashes)
+        if not well_formed:
+            raise HintError(f"block_hashes must be a list of hex strings of at most {MAX_HASH_HEX} digits")
         try:
-            hashes = tuple(bytes.fromhex(h) for h in payload["block_hashes"])
-        except (TypeError, ValueError):
+            hashes = tuple(bytes.fromhex(h) for h in raw_hashes)
+        except ValueError:
             raise HintError("block_hashes must be a list of hex strings") from None
     if kind == PREFETCH and token_ids is None and hashes is None:
         raise HintError(f"{_field(raw, 'action_type')} needs token_ids or block_hashes: the prefix to warm")
     salt = payload.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise HintError("cache_salt must be a string")
+    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS):
+        raise HintError(f"cache_salt must be a string of at most {MAX_SALT_CHARS} characters")
     priority = payload.get("priority", DEFAULT_PRIORITY)
     if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100:
         raise HintError(f"priority must be an integer 0 to 100, got {priority!r}")
@@ -144,10 +196,9 @@ def parse_action(raw: Any) -> HintAction:
     if kind == RETAIN and ttl is None:
         raise HintError("kv.retain needs ttl_seconds (or duration_seconds, ttl)")
     lease = payload.get("lease_seconds")
-    deadline = payload.get("deadline_seconds", 0.0)
-    for name, value in (("lease_seconds", lease), ("deadline_seconds", deadline)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
-            raise HintError(f"{name} must be seconds >= 0, got {value!r}")
+    lease = None if lease is None else _seconds(lease, "lease_seconds") or None
+    deadline = payload.get("deadline_seconds")
+    deadline = 0.0 if deadline is None else _seconds(deadline, "deadline_seconds")
     return HintAction(
         action=kind,
         token_ids=token_ids,
@@ -156,8 +207,8 @@ def parse_action(raw: Any) -> HintAction:
         cache_salt=salt,
         priority=priority,
         ttl_seconds=None if ttl is None else parse_ttl(ttl),
-        lease_seconds=None if lease is None else float(lease) or None,
-        deadline_seconds=float(deadline),
+        lease_seconds=lease,
+        deadline_seconds=deadline,
     )
 
 
@@ -173,20 +224,33 @@ def envelopes(req_context: ReqContext) -> list[Any]:
     return found
 
 
-def parse_envelope(envelope: Any) -> tuple[list[HintAction], list[str]]:
-    """An envelope's actions, and why each one left out was left out."""
+def parse_envelope(envelope: Any, budget: Budget | None = None) -> tuple[list[HintAction], list[str]]:
+    """An envelope's actions, and why each one left out was left out (one reason per action;
+    the actions past the request's `budget` of actions are left out)."""
+    budget = Budget() if budget is None else budget
     raw = _field(envelope, "actions")
     if not isinstance(raw, (list, tuple)):
         return [], ["the envelope has no list of actions"]
     actions, errors = [], []
-    if len(raw) > MAX_ACTIONS:
-        errors.append(f"{len(raw) - MAX_ACTIONS} actions past the first {MAX_ACTIONS} left out")
-    for index, item in enumerate(raw[:MAX_ACTIONS]):
+    taken = raw[: max(0, budget.actions)]
+    budget.actions -= len(taken)
+    if len(raw) > len(taken):
+        budget.left_out += len(raw) - len(taken) - 1  # one error line for them all, each counted
+        errors.append(f"{len(raw) - len(taken)} actions left out: over the request's {budget.limit} (hint_max_actions)")
+    for index, item in enumerate(taken):
         try:
-            actions.append(parse_action(item))
-        except (HintError, KeyError, TypeError) as exc:
-            errors.append(f"action {_field(item, 'action_id') or index}: {exc}")
+            actions.append(parse_action(item, budget))
+        except Exception as exc:  # noqa: BLE001 - a hint never raises into vLLM, whatever it holds
+            errors.append(f"action {_action_id(item, index)}: {exc}")
     return actions, errors
+
+
+def _action_id(item: Any, index: int) -> str:
+    try:
+        ident = _field(item, "action_id")
+        return str(ident)[:64] if ident else str(index)
+    except Exception:  # noqa: BLE001 - a mapping whose get raises
+        return str(index)
 
 
 class HintIntake:
@@ -194,20 +258,34 @@ class HintIntake:
     keys (`apply_hints`, an asynchronous call), at arrival or, for the request's own
     chunks, when it finishes."""
 
-    def __init__(self, send: Callable[[str, list[protocol.HintAction]], None] | None, layout: Layout, counters: dict[str, int]):
+    def __init__(
+        self,
+        send: Callable[[str, list[protocol.HintAction]], None] | None,
+        layout: Layout,
+        counters: dict[str, int],
+        limits: PrefetchConfig | None = None,
+    ):
         self._send = send
         self._layout = layout
         self._counters = counters
+        self._limits = limits or PrefetchConfig()
         self._waiting: dict[str, list[HintAction]] = {}  # req_id -> actions over its own chunks
         self._logged: set[str] = set()
 
     def on_new_request(self, req_context: ReqContext) -> None:
-        found = envelopes(req_context)
-        if not found:
-            return
+        try:
+            found = envelopes(req_context)
+            if found:
+                self._on_new_request(req_context, found)
+        except Exception as exc:  # noqa: BLE001 - a hint never fails its request nor the engine
+            self._waiting.pop(req_context.req_id, None)
+            self._drop(req_context.req_id, f"unexpected: {type(exc).__name__}: {exc}")
+
+    def _on_new_request(self, req_context: ReqContext, found: list[Any]) -> None:
         now: list[protocol.HintAction] = []
+        budget = Budget(self._limits.hint_max_actions, self._limits.hint_max_tokens)
         for envelope in found:
-            actions, errors = parse_envelope(envelope)
+            actions, errors = parse_envelope(envelope, budget)
             for error in errors:
                 self._drop(req_context.req_id, error)
             for action in actions:
@@ -220,12 +298,19 @@ class HintIntake:
                     self._drop(req_context.req_id, f"{action.action}: cannot name its chunks: {exc}")
                     continue
                 self._name(req_context.req_id, action, keys, now)
+        self._counters["hints_dropped"] += budget.left_out
         self._deliver(now)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         actions = self._waiting.pop(req_context.req_id, None)
         if not actions:
             return
+        try:
+            self._on_request_finished(req_context, actions)
+        except Exception as exc:  # noqa: BLE001 - a hint never fails its request nor the engine
+            self._drop(req_context.req_id, f"unexpected: {type(exc).__name__}: {exc}")
+
+    def _on_request_finished(self, req_context: ReqContext, actions: list[HintAction]) -> None:
         positions = key_positions(req_context)
         out: list[protocol.HintAction] = []
         for action in actions:
@@ -259,6 +344,8 @@ class HintIntake:
                 protocol.HintAction(
                     action=action.action, keys=keys, priority=action.priority, ttl_seconds=action.ttl_seconds,
                     lease_seconds=action.lease_seconds, deadline_seconds=action.deadline_seconds,
+                    # its pins' owner on the store: request:<salt> (hint_owners.py cuts it the same way)
+                    owner=(action.cache_salt or "")[:MAX_TAG_CHARS],
                 )  # fmt: skip
             )
         except ValueError as exc:  # e.g. more keys than one action may carry

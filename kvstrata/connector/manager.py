@@ -80,7 +80,8 @@ class StrataManager(PinsAndSlots):
         """`channel`: builds the control channel (the thread that calls the store); the
         deterministic simulation (`kvstrata.sim`) passes one it drives itself."""
         ManagerState.__init__(self, client, layout, config, holder, enable_events, clock, async_scheduling)
-        self._hints = HintIntake(getattr(client, "apply_hints", None), layout, self._counters)  # KV hints (hints.py)
+        # KV hints (hints.py), bounded by the `prefetch` section's hint limits
+        self._hints = HintIntake(getattr(client, "apply_hints", None), layout, self._counters, config.prefetch)
 
         # This engine's own secret: registering again after a lost answer is known as ours.
         self._nonce = secrets.token_hex(8)

@@ -39,10 +39,18 @@ class NodeFigures:
     models: dict[str, tuple[str, ...]] = field(default_factory=dict)  # namespace -> model names registered
     costs: dict[str, Cost] = field(default_factory=dict)  # source -> measured cost
     prefill_tokens_per_second: float | None = None  # median over the node's engines that measured one
+    tenants: dict[str, str] = field(default_factory=dict)  # namespace -> its engines' namespace_prefix
 
-    def namespaces(self, model: str | None) -> list[str]:
-        """The namespaces of `model` on this node (every one when no model is named)."""
-        return [ns for ns in self.schemes if model is None or any(names_model(model, m) for m in self.models.get(ns, ()))]
+    def namespaces(self, model: str | None, tenant: str | None = None) -> list[str]:
+        """The namespaces of `model` on this node (every one when no model is named), of
+        `tenant` (a `namespace_prefix`) only when one is named: a warm or a route-time
+        prefetch lands in the tenant asked for, not in every tenant's copy of the model."""
+        return [
+            ns
+            for ns in self.schemes
+            if (model is None or any(names_model(model, m) for m in self.models.get(ns, ())))
+            and (tenant is None or self.tenants.get(ns, "") == tenant)
+        ]
 
 
 def names_model(model: str, registered: str) -> bool:
@@ -56,6 +64,7 @@ def node_figures(node_id: str, stats: Mapping[str, Any]) -> NodeFigures:
     """Figures from one store's `stats()`; layouts it cannot read are left out (logged)."""
     schemes: dict[str, KeyScheme] = {}
     models: dict[str, tuple[str, ...]] = {}
+    tenants: dict[str, str] = {}
     for namespace, layout in (stats.get("layouts") or {}).items():
         try:
             schemes[namespace] = KeyScheme.from_layout(namespace, layout)
@@ -63,6 +72,7 @@ def node_figures(node_id: str, stats: Mapping[str, Any]) -> NodeFigures:
             logger.warning("%s", exc)
             continue
         models[namespace] = tuple(str(m) for m in layout.get("models", ()))
+        tenants[namespace] = str(layout.get("namespace_prefix") or "")
     report = stats.get("report") or {}
     costs = {}
     for name, figures in ((report.get("admission") or {}).get("estimates") or {}).items():
@@ -78,7 +88,7 @@ def node_figures(node_id: str, stats: Mapping[str, Any]) -> NodeFigures:
         for engine in (report.get("engines") or {}).values()
         if engine.get("recompute_tokens_per_second")
     ]
-    return NodeFigures(node_id, schemes, models, costs, statistics.median(rates) if rates else None)
+    return NodeFigures(node_id, schemes, models, costs, statistics.median(rates) if rates else None, tenants)
 
 
 @dataclass

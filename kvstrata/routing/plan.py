@@ -54,6 +54,7 @@ def plan_prompt(
     lora: tuple[str, str] | None = None,
     cache_salt: str | None = None,
     hasher: Hasher = block_hashes,
+    tenant: str | None = None,
 ) -> PromptPlan:
     token_ids = prompt_token_ids(args, kwargs, tokenizers)
     if not token_ids:
@@ -62,7 +63,7 @@ def plan_prompt(
     nodes: dict[str, list[str]] = {}
     for node_id in node_ids:
         node = figures.nodes.get(node_id)
-        for namespace in node.namespaces(model) if node is not None else ():
+        for namespace in node.namespaces(model, tenant) if node is not None else ():
             schemes.setdefault(namespace, node.schemes[namespace])
             nodes.setdefault(namespace, []).append(node_id)
     if not schemes:

@@ -117,6 +117,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         seed: int | None = None,
         prefetch: bool = True,
         prefetch_lease_s: float | None = None,
+        namespace_prefix: str | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         """Kwargs of `request_router_kwargs`:
@@ -142,7 +143,10 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             seed: unused (ties go in rendezvous order); kept for configs that set it.
             prefetch: ask the chosen node's store to bring the prompt's covered chunks into its arena while the request is on its way (prefetch.py);
             prefetch_lease_s: how long they are held past the expected first lookup
-            (None: the store's `prefetch.lease_seconds`). clock: monotonic seconds (tests).
+            (None: the store's `prefetch.lease_seconds`). namespace_prefix: the tenant
+            the deployment's engines serve (their `namespace_prefix`): coverage and
+            route-time prefetch use its namespaces only (None: every tenant's of `model`).
+            clock: monotonic seconds (tests).
         """
         if load_factor < 1.0:
             raise ValueError(f"kvstrata router: load_factor must be >= 1, not {load_factor}")
@@ -150,6 +154,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             raise ValueError(f"kvstrata router: batch_slots must be >= 0, not {batch_slots}")
         clock = clock or time.monotonic
         self._model = model
+        self._tenant = namespace_prefix
         self._tokenizers = Tokenizers(tokenizer or model, trust_remote_code)
         self._load_factor = load_factor
         self._margin = margin
@@ -296,6 +301,7 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._hash_seed,
             lora,
             getattr(body, "cache_salt", None),
+            tenant=self._tenant,
         )
         coverage = await covered_by_node(plan, figures, self._lookup_timeout_s, self._recent)
         estimates: dict[ReplicaID, TtftEstimate] = {}

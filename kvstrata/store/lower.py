@@ -29,6 +29,7 @@ from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.base import Done, Items, LowerTierBase, register_lower_tier
 from kvstrata.tiers.changelog import PEER, STORAGE
 from kvstrata.tiers.disk import DIGEST_THREADS, DiskTier, DiskTierError
+from kvstrata.tiers.retention import RetentionTable
 
 # Internal pin holder of disk copies in flight: it holds no lease and never expires.
 CASCADE = "kvstrata:cascade"
@@ -114,11 +115,11 @@ class DiskLower(LowerTierBase):
         if tenant is not None:
             self.tier.set_tenant(namespace, tenant)
 
-    def set_eviction_hints(self, reuse_of: Callable | None = None, retention_of: Callable | None = None) -> None:
+    def set_eviction_hints(self, reuse_of: Callable | None = None, retention: RetentionTable | None = None) -> None:
         if reuse_of is not None:  # admission.store: reuse keeps a sketch: evict one-offs first
             self.tier.reuse_of = reuse_of
-        if retention_of is not None and self.tier.retention_of is None:
-            self.tier.retention_of = retention_of
+        if retention is not None:  # kv.retain: retained records are evicted last (once: it keeps the first)
+            self.tier.use_retention(retention)
 
     def stats(self) -> dict[str, object] | None:
         return self.tier.stats()

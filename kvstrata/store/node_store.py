@@ -43,6 +43,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from kvstrata.config import KvstrataConfig, load_config
+from kvstrata.hint_owners import OPERATOR
 from kvstrata.namespaces import check_namespace
 from kvstrata.protocol import HintAction, Registration, StepReply, StepRequest
 from kvstrata.store.admission import ReuseAdmission
@@ -210,11 +211,11 @@ class NodeStore:
     def retain(self, namespace: str, keys: Sequence[bytes], priority: int, ttl_s: float) -> dict[str, int]:
         return self.hints.retain(namespace, keys, priority, ttl_s)
 
-    def pin_chunks(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]:
-        return self.hints.pin_chunks(namespace, keys)
+    def pin_chunks(self, namespace: str, keys: Sequence[bytes], owner: str = OPERATOR) -> dict[str, int]:
+        return self.hints.pin_chunks(namespace, keys, owner)
 
-    def unpin_chunks(self, namespace: str, keys: Sequence[bytes]) -> int:
-        return self.hints.unpin_chunks(namespace, keys)
+    def unpin_chunks(self, namespace: str, keys: Sequence[bytes], owner: str = OPERATOR) -> int:
+        return self.hints.unpin_chunks(namespace, keys, owner)
 
     def apply_hints(self, namespace: str, actions: Sequence[HintAction | Mapping[str, Any]]) -> list[dict[str, Any]]:
         return self.hints.apply_hints(namespace, actions)

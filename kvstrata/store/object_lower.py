@@ -29,6 +29,7 @@ from kvstrata.tiers.arena import SlotPool
 from kvstrata.tiers.base import Done, Items, LowerTierBase, register_lower_tier
 from kvstrata.tiers.changelog import OBJECT
 from kvstrata.tiers.object_store import ObjectEntry, ObjectTier
+from kvstrata.tiers.retention import RetentionTable
 
 # Internal pin holder of uploads in flight: it holds no lease and never expires.
 UPLOAD = "kvstrata:upload"
@@ -193,7 +194,7 @@ class ObjectLower(LowerTierBase):
     def describe(self, namespace: str, layout: dict[str, object]) -> None:
         self.io.submit(self.tier.write_manifest, namespace, dict(layout))
 
-    def set_eviction_hints(self, reuse_of: Callable | None = None, retention_of: Callable | None = None) -> None:
+    def set_eviction_hints(self, reuse_of: Callable | None = None, retention: RetentionTable | None = None) -> None:
         if reuse_of is not None:  # sweeps spare reused chunks
             self.tier.reuse_of = reuse_of
 

@@ -12,12 +12,16 @@ it), are promoted from disk, a peer or the bucket (promotion.py) and held once t
 A chunk is held -- pinned by the internal holder `PREFETCH`, which eviction never takes --
 until the first engine step that holds or pins it (its first lookup), or until its lease
 runs out (`deadline_s + lease_s` after the prefetch was asked), then it is left to normal
-eviction. Hint pins (`pin`) are holds with no lease and no release on use: only `unpin`
-or a purge ends them.
+eviction. Hint pins (`pin`) are holds with no lease and no release on use, each with its
+owners (hint_owners.py): an `unpin` ends only its own owner's pin, the hold ends with its
+last owner's unpin (or a purge). Pinning a chunk held for a prefetch takes a pin of the
+quota like any other pin: a lease never turns into a pin for free.
 
-Bounds: held and in-flight chunks of one namespace never exceed `prefetch.max_share` of its
-pool (`budget`); pins of one tenant never exceed its pin quota (`quota`); a chunk whose
-source is slower than recomputing it (`admission.load: break_even`, from the tier
+Bounds: a lease is at most `prefetch.max_lease_seconds`, a deadline at most
+`prefetch.max_deadline_seconds` (longer ones cut, `prefetch_lease_cut`); held and in-flight
+chunks of one namespace never exceed `prefetch.max_share` of its pool (`budget`); pins of
+one tenant never exceed its pin quota (`quota`), and only `prefetch.pin_sources` may pin
+(`source`); a chunk whose source is slower than recomputing it (`admission.load: break_even`, from the tier
 estimates and the engines' prefill rates) is not moved (`break_even`); a promotion never
 evicts a pinned chunk, so never a held one. Two prefetches of one prefix move it once:
 the second finds it held or on its way and extends its lease.
@@ -38,9 +42,11 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 
+from kvstrata.hint_bounds import capped, seconds
+from kvstrata.hint_owners import may_pin
 from kvstrata.keys import key_group
 from kvstrata.namespaces import check_namespace
 from kvstrata.store.context import StoreContext, logger
@@ -50,7 +56,7 @@ from kvstrata.tiers.estimates import break_even
 
 PREFETCH = "kvstrata:prefetch"  # internal pin holder: no lease in the arena's table, never expires there
 # Why a prefetch left a chunk where it was (`prefetch_refused_<reason>`).
-REFUSALS = ("unknown_namespace", "absent", "budget", "quota", "break_even", "no_slot", "failed")
+REFUSALS = ("unknown_namespace", "absent", "budget", "quota", "break_even", "no_slot", "failed", "source")
 
 
 @dataclass
@@ -60,7 +66,11 @@ class Hold:
     slot: int
     until: float  # on the store's clock; inf for a pin
     moved: bool  # brought from a lower tier for a prefetch (not already resident)
-    pinned: bool = False  # a hint pin: ends only by unpin or purge
+    owners: set[str] = field(default_factory=set)  # who pinned it: ends with the last one's unpin, or a purge
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.owners)
 
 
 @dataclass
@@ -68,8 +78,12 @@ class Want:
     """A chunk on its way into the arena that a prefetch (or pin) holds once it lands."""
 
     until: float
-    pinned: bool
+    owners: set[str] = field(default_factory=set)
     started: bool = True  # False: no slot yet, the ones its promotion evicted are settling (deferred reuse)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.owners)
 
 
 def _check_keys(keys: object) -> list[bytes]:
@@ -93,6 +107,7 @@ class Prefetch:
         self._waiting: dict[str, set[bytes]] = {}  # namespace -> wanted keys with no slot yet (not started)
         self._hold_expiries: list[tuple[float, str, bytes]] = []  # heap over leased holds
         ctx.counters.update(
+            prefetch_lease_cut=0,  # prefetches whose lease or deadline was cut to the configured longest
             prefetch_asked=0,  # keys prefetches named
             prefetch_resident=0,  # held where they were: already in the arena
             prefetch_joined=0,  # already held or on their way for an earlier prefetch: lease extended
@@ -121,36 +136,46 @@ class Prefetch:
         """
         check_namespace(namespace)
         keys = _check_keys(keys)
-        if not (math.isfinite(deadline_s) and deadline_s >= 0):
-            raise ValueError(f"prefetch deadline_s must be seconds >= 0, got {deadline_s!r}")
-        lease_s = self._ctx.config.prefetch.lease_seconds if lease_s is None else lease_s
-        if not (math.isfinite(lease_s) and lease_s > 0):
-            raise ValueError(f"prefetch lease_s must be positive seconds, got {lease_s!r}")
+        limits = self._ctx.config.prefetch
+        deadline_s, deadline_cut = capped(seconds(deadline_s, "prefetch deadline_s"), limits.max_deadline_seconds)
+        lease_s = limits.lease_seconds if lease_s is None else seconds(lease_s, "prefetch lease_s", positive=True)
+        lease_s, lease_cut = capped(lease_s, limits.max_lease_seconds)
         with self._ctx.lock:
+            self._ctx.counters["prefetch_lease_cut"] += deadline_cut or lease_cut
             self.expire_holds()
-            return self._prefetch(namespace, keys, self._ctx.clock() + deadline_s + lease_s, pinned=False)
+            return self._prefetch(namespace, keys, self._ctx.clock() + deadline_s + lease_s, owner=None)
 
-    def pin(self, namespace: str, keys: Sequence[bytes]) -> dict[str, int]:
-        """Hold `keys` with no lease until `unpin` (or a purge), within the tenant's pin
-        quota (hints.py: `pin_chunks` checks the arguments)."""
+    def pin(self, namespace: str, keys: Sequence[bytes], owner: str) -> dict[str, int]:
+        """Hold `keys` for `owner` (hint_owners.py) with no lease until it unpins them (or a
+        purge), within the tenant's pin quota (`refused_quota` past it), and only for the
+        sources `prefetch.pin_sources` names (`refused_source` otherwise). hints.py:
+        `pin_chunks` checks the arguments."""
+        keys = list(keys)
         with self._ctx.lock:
+            if not may_pin(owner, self._ctx.config.prefetch.pin_sources):
+                return dict(self._refuse(Counter(), "source", len(keys)))
             self.expire_holds()
-            return self._prefetch(namespace, list(keys), math.inf, pinned=True)
+            return self._prefetch(namespace, keys, math.inf, owner=owner)
 
-    def unpin(self, namespace: str, keys: Sequence[bytes]) -> int:
-        """End the pins of `keys` (chunks not pinned are ignored); how many ended."""
+    def unpin(self, namespace: str, keys: Sequence[bytes], owner: str) -> int:
+        """End `owner`'s pins of `keys` (chunks it did not pin are ignored; a chunk others
+        pinned too stays held for them); how many of its pins ended."""
         ended = 0
         with self._ctx.lock:
             held = self._held.get(namespace, {})
             for key in keys:
                 hold = held.get(key)
-                if hold is not None and hold.pinned:
-                    self._release(namespace, key)
+                if hold is not None and owner in hold.owners:
+                    hold.owners.discard(owner)
+                    if not hold.owners:
+                        self._release(namespace, key)
                     ended += 1
                 want = self._wanted.get((namespace, key))
-                if want is not None and want.pinned:
-                    del self._wanted[(namespace, key)]  # on its way: it lands unheld
-                    self._waiting.get(namespace, set()).discard(key)
+                if want is not None and owner in want.owners:
+                    want.owners.discard(owner)
+                    if not want.owners:
+                        del self._wanted[(namespace, key)]  # on its way: it lands unheld
+                        self._waiting.get(namespace, set()).discard(key)
                     ended += 1
         return ended
 
@@ -171,8 +196,10 @@ class Prefetch:
 
     # --- internals ----------------------------------------------------------------------
 
-    def _prefetch(self, namespace: str, keys: list[bytes], until: float, pinned: bool) -> dict[str, int]:
-        """Hold or start moving `keys` (callers hold the lock); the report `prefetch` returns."""
+    def _prefetch(self, namespace: str, keys: list[bytes], until: float, owner: str | None) -> dict[str, int]:
+        """Hold or start moving `keys` (callers hold the lock); the report `prefetch` returns.
+        `owner`: who pins them (hint_owners.py), None for a leased prefetch."""
+        pinned = owner is not None
         report: Counter[str] = Counter()
         self._ctx.counters["prefetch_asked"] += len(keys)
         pool = self._ctx.arena.pools.get(namespace)
@@ -186,7 +213,13 @@ class Prefetch:
             hold = held.get(key)
             want = self._wanted.get((namespace, key))
             if hold is not None or want is not None:
-                self._extend(namespace, key, hold or want, until, pinned)
+                entry = hold or want
+                if pinned and not entry.pinned:  # a leased hold becomes a pin: it takes quota like any pin
+                    if room <= 0:
+                        started = self._start(namespace, pool, to_move, until, owner, report)
+                        return self._refuse(started, "quota", len(keys) - index)
+                    room -= 1
+                self._extend(namespace, key, entry, until, owner)
                 report["joined"] += 1
                 continue
             if key in to_move:
@@ -198,34 +231,42 @@ class Prefetch:
                 if tier is not None:
                     source = tier.name
                 else:
-                    return self._refuse(self._start(namespace, pool, to_move, until, pinned, report), "absent", len(keys) - index)
+                    started = self._start(namespace, pool, to_move, until, owner, report)
+                    return self._refuse(started, "absent", len(keys) - index)
             if room <= 0:
                 reason = "quota" if pinned else "budget"
-                return self._refuse(self._start(namespace, pool, to_move, until, pinned, report), reason, len(keys) - index)
+                return self._refuse(self._start(namespace, pool, to_move, until, owner, report), reason, len(keys) - index)
             room -= 1
             if source is None:
-                self._hold(namespace, pool, key, slot, until, moved=False, pinned=pinned)
+                self._hold(namespace, pool, key, slot, until, moved=False, owner=owner)
                 report["resident"] += 1
             else:
                 to_move[key] = source
-        return dict(self._start(namespace, pool, to_move, until, pinned, report))
+        return dict(self._start(namespace, pool, to_move, until, owner, report))
 
     def _start(
-        self, namespace: str, pool: SlotPool, to_move: dict[bytes, str], until: float, pinned: bool, report: Counter[str]
+        self,
+        namespace: str,
+        pool: SlotPool,
+        to_move: dict[bytes, str],
+        until: float,
+        owner: str | None,
+        report: Counter[str],
     ) -> Counter[str]:
         """Start the promotions of `to_move` (key -> source tier) unless recomputing them is cheaper."""
         if not to_move:
             return report
-        if not pinned and not self._worth_loading(namespace, pool, to_move):
+        owners = set() if owner is None else {owner}
+        if owner is None and not self._worth_loading(namespace, pool, to_move):
             return self._refuse(report, "break_even", len(to_move))
         keys = list(to_move)
         self._promotion.promote(namespace, pool, keys)  # joins any promotion in flight
         for key in keys:
             if self._promotion.in_flight(namespace, key):
-                self._wanted[(namespace, key)] = Want(until, pinned)
+                self._wanted[(namespace, key)] = Want(until, set(owners))
                 report["moving"] += 1
             elif pool.settling:  # the slots it evicted free at the engines' next acknowledgement
-                self._wanted[(namespace, key)] = Want(until, pinned, started=False)
+                self._wanted[(namespace, key)] = Want(until, set(owners), started=False)
                 self._waiting.setdefault(namespace, set()).add(key)
                 report["waiting"] += 1
             else:  # every slot pinned
@@ -311,16 +352,20 @@ class Prefetch:
         pinned += sum(1 for (ns, _), want in self._wanted.items() if want.pinned and quotas.tenant(ns) == tenant)
         return cap - pinned
 
-    def _hold(self, namespace: str, pool: SlotPool, key: bytes, slot: int, until: float, moved: bool, pinned: bool) -> None:
+    def _hold(
+        self, namespace: str, pool: SlotPool, key: bytes, slot: int, until: float, moved: bool, owner: str | set[str] | None
+    ) -> None:
+        owners = set(owner) if isinstance(owner, set) else set() if owner is None else {owner}
         pool.pin_slots(PREFETCH, [slot])
-        self._held.setdefault(namespace, {})[key] = Hold(slot, math.inf if pinned else until, moved, pinned)
-        if not pinned:
+        self._held.setdefault(namespace, {})[key] = Hold(slot, math.inf if owners else until, moved, owners)
+        if not owners:
             heapq.heappush(self._hold_expiries, (until, namespace, key))
 
-    def _extend(self, namespace: str, key: bytes, entry: Hold | Want, until: float, pinned: bool) -> None:
-        """A second prefetch (or a pin) of a chunk held or on its way: the later end wins."""
-        if pinned and not entry.pinned:
-            entry.pinned = True
+    def _extend(self, namespace: str, key: bytes, entry: Hold | Want, until: float, owner: str | None) -> None:
+        """A second prefetch (or a pin) of a chunk held or on its way: the later end wins; a
+        pin adds its owner (the caller charged the quota if the entry was not pinned yet)."""
+        if owner is not None:
+            entry.owners.add(owner)
             entry.until = math.inf
         elif not entry.pinned and until > entry.until:
             entry.until = until
@@ -368,7 +413,7 @@ class Prefetch:
             if slot is None:
                 self._refuse(Counter(), "failed", 1)
                 continue
-            self._hold(namespace, pool, key, slot, want.until, moved=True, pinned=want.pinned)
+            self._hold(namespace, pool, key, slot, want.until, moved=True, owner=want.owners)
             self._ctx.counters["prefetch_moved"] += 1
             self._ctx.counters["prefetch_moved_bytes"] += pool.geometry.slot_bytes
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from kvstrata.tiers.arena import SlotPool
+    from kvstrata.tiers.retention import RetentionTable
 
 Items = list[tuple[bytes, int]]  # (key, arena slot)
 # `done` of a batch of reads or writes (a call may be cut into batches; each gets its own
@@ -76,8 +77,10 @@ class LowerTier(Protocol):
     def describe(self, namespace: str, layout: dict[str, object]) -> None:
         """A namespace seen for the first time (the bucket keeps a manifest)."""
 
-    def set_eviction_hints(self, reuse_of: Callable | None = None, retention_of: Callable | None = None) -> None:
-        """What its own eviction should spare: reused chunks, retained ones."""
+    def set_eviction_hints(self, reuse_of: Callable | None = None, retention: RetentionTable | None = None) -> None:
+        """What its own eviction should spare: reused chunks (`reuse_of`: estimated uses),
+        retained ones (`retention`: the store's table, tiers/retention.py; a tier that keeps
+        an order wraps it and listens to the table's changes, at O(1) per record)."""
 
     def busy(self) -> bool:
         """Whether work it queued is in flight (`wait_io`; under the store lock)."""
@@ -122,7 +125,7 @@ class LowerTierBase:
     def describe(self, namespace: str, layout: dict[str, object]) -> None:
         return None
 
-    def set_eviction_hints(self, reuse_of: Callable | None = None, retention_of: Callable | None = None) -> None:
+    def set_eviction_hints(self, reuse_of: Callable | None = None, retention: RetentionTable | None = None) -> None:
         return None
 
     def busy(self) -> bool:

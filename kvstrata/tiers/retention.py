@@ -9,15 +9,21 @@ ones (priority 0) first of all, in each tier's own order among equals.
 How: a `RetentionTable` per node store, (namespace, key) -> (priority, expiry on the
 store's clock). It is kept by key, present or not: a chunk retained before it is stored
 (the request's own prompt, stored as it is computed) is protected from its commit on.
-Eviction orders are wrapped, never rewritten: `retained_last` reorders any tier's
-candidates (the disk index's records, the arena policy's slots), and `RetentionOrder` wraps
-an arena pool's policy once its namespace has a retention.
+Eviction orders are wrapped, never rewritten: `RetentionOrder` (retention_order.py) wraps
+an arena pool's policy and each disk slab's once retention is in use, and hears every
+change of a key's retention through the table's `listeners`, so an eviction costs O(1)
+per candidate whatever is retained.
+
+Shares: one tenant's retentions hold at most `tenant_share` of the table, so no tenant
+fills it for the others; a retention of a key no tier holds counts against its own
+tenant's share only.
 
 Invariants: a retention protects only while it lives (`expires_at` > now): an expired
 one is forgotten at the next read, and its chunk is evicted like any other; among
 candidates of one priority the tier's own order is kept; `retained_last` yields every
-candidate it is given exactly once. The table is bounded (`max_entries`): a retention
-beyond it is refused, never makes room by forgetting another.
+candidate it is given exactly once. The table is bounded (`max_entries`, and per tenant
+`tenant_share` of it): a retention beyond it is refused, never makes room by forgetting
+another. Listeners are called after a change, outside the table's lock.
 Must not: import Ray or vLLM; evict anything itself.
 """
 
@@ -31,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from kvstrata.tiers.policies.base import EvictionPolicy
+from kvstrata.tiers.retention_order import RetentionOrder  # noqa: F401 - the order's home before issue #51
 
 T = TypeVar("T")
 MAX_PRIORITY = 100
@@ -44,7 +50,10 @@ def parse_ttl(value: object) -> float:
     """Seconds from a number or a duration as APIs write them: "300s", "5m", "1h", "24h", "2d"
     (a ValueError naming the value otherwise)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer beyond a double's range
+            raise ValueError(f"ttl {value!r:.40} is out of range") from None
     elif isinstance(value, str) and (match := _TTL.match(value)):
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
     else:
@@ -58,13 +67,24 @@ class RetentionTable:
     """(namespace, key) -> (priority, expiry). Thread-safe: the disk tier's eviction reads
     it on I/O threads while the store writes it under its own lock."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, max_entries: int = 1_000_000):
-        self._clock = clock
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        max_entries: int = 1_000_000,
+        tenant_of: Callable[[str], str] | None = None,
+        tenant_share: float = 1.0,
+    ):
+        self.clock = self._clock = clock
         self._lock = threading.RLock()
         self.max_entries = max_entries
+        self._tenant_of = tenant_of or (lambda namespace: namespace)
+        self.tenant_entries = int(max_entries * tenant_share)  # one tenant's most
         self._entries: dict[Name, tuple[int, float]] = {}
         self._by_namespace: dict[str, int] = {}  # namespace -> live entries (a fast "none here")
+        self._by_tenant: dict[str, int] = {}
         self._expiries: list[tuple[float, str, bytes]] = []  # heap: forget expired entries in order
+        # (namespace, keys) -> None, after their retention changed; outside the lock.
+        self.listeners: list[Callable[[str, list[bytes]], None]] = []
 
     def retain(self, namespace: str, keys: Iterable[bytes], priority: int, ttl_seconds: float) -> int:
         """Keep `keys` at `priority` for `ttl_seconds` from now; a key already retained keeps
@@ -74,37 +94,69 @@ class RetentionTable:
             raise ValueError(f"retention priority must be 0 to {MAX_PRIORITY}, got {priority!r}")
         if not ttl_seconds > 0:
             raise ValueError(f"retention ttl must be positive seconds, got {ttl_seconds!r}")
+        changed: list[bytes] = []
         with self._lock:
             self._expire()
             until = self._clock() + ttl_seconds
             refused = 0
+            tenant = self._tenant_of(namespace)
             for key in keys:
                 name = (namespace, key)
                 known = self._entries.get(name)
                 if known is None:
-                    if len(self._entries) >= self.max_entries:
+                    if len(self._entries) >= self.max_entries or self._by_tenant.get(tenant, 0) >= self.tenant_entries:
                         refused += 1
                         continue
                     self._by_namespace[namespace] = self._by_namespace.get(namespace, 0) + 1
+                    self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
                     entry = (priority, until)
                 else:
                     entry = (max(priority, known[0]), max(until, known[1]))
+                    if entry == known:
+                        continue
                 self._entries[name] = entry
+                changed.append(key)
                 heapq.heappush(self._expiries, (entry[1], namespace, key))
-            return refused
+        self._tell(namespace, changed)
+        return refused
 
     def release(self, namespace: str, keys: Iterable[bytes]) -> None:
         """Stop retaining `keys` before their TTL runs out."""
+        changed: list[bytes] = []
         with self._lock:
             for key in keys:
                 if self._entries.pop((namespace, key), None) is not None:
                     self._forgot(namespace)
+                    changed.append(key)
+        self._tell(namespace, changed)
 
     def forget_namespace(self, namespace: str) -> None:
         """Drop every retention of a namespace (it was purged: its chunks are gone)."""
         with self._lock:
-            if self._by_namespace.pop(namespace, None):
+            count = self._by_namespace.pop(namespace, None)
+            if count:
+                gone = [key for (ns, key) in self._entries if ns == namespace]
                 self._entries = {name: entry for name, entry in self._entries.items() if name[0] != namespace}
+                tenant = self._tenant_of(namespace)
+                left = self._by_tenant.get(tenant, 0) - len(gone)
+                self._by_tenant[tenant] = left
+                if left <= 0:
+                    self._by_tenant.pop(tenant, None)
+        if count:
+            self._tell(namespace, gone)
+
+    def entry(self, namespace: str, key: bytes) -> tuple[int, float] | None:
+        """A chunk's live retention, (priority, expiry on `clock`), or None."""
+        with self._lock:
+            entry = self._entries.get((namespace, key))
+            if entry is None or entry[1] <= self._clock():
+                return None
+            return entry
+
+    def tenant_count(self, namespace: str) -> int:
+        """Entries held by the tenant of `namespace`."""
+        with self._lock:
+            return self._by_tenant.get(self._tenant_of(namespace), 0)
 
     def priority(self, namespace: str, key: bytes) -> int:
         """The live priority of a chunk: 0 when not retained or expired."""
@@ -149,6 +201,17 @@ class RetentionTable:
             self._by_namespace[namespace] = left
         else:
             self._by_namespace.pop(namespace, None)
+        tenant = self._tenant_of(namespace)
+        left = self._by_tenant.get(tenant, 0) - 1
+        if left > 0:
+            self._by_tenant[tenant] = left
+        else:
+            self._by_tenant.pop(tenant, None)
+
+    def _tell(self, namespace: str, keys: list[bytes]) -> None:
+        if keys:
+            for listener in list(self.listeners):
+                listener(namespace, keys)
 
 
 def retained_last(candidates: Iterable[T], priority_of: Callable[[T], int]) -> Iterator[T]:
@@ -167,33 +230,3 @@ def retained_last(candidates: Iterable[T], priority_of: Callable[[T], int]) -> I
             deferred.setdefault(priority, []).append(candidate)
     for priority in sorted(deferred):
         yield from deferred[priority]
-
-
-class RetentionOrder(EvictionPolicy):
-    """An arena pool's policy with retained chunks evicted last (`retained_last`).
-
-    Wraps the pool's own policy (its recency is kept as is: adds, touches and removals go
-    through), so installing it on a live pool loses no order. `key_at(slot)` is the key a
-    committed slot holds, `priority(key)` its live retention priority.
-    """
-
-    def __init__(self, inner: EvictionPolicy, key_at: Callable[[int], bytes | None], priority: Callable[[bytes], int]):
-        self.inner = inner
-        self._key_at = key_at
-        self._priority = priority
-
-    def add(self, slot: int) -> None:
-        self.inner.add(slot)
-
-    def touch(self, slot: int) -> None:
-        self.inner.touch(slot)
-
-    def remove(self, slot: int) -> None:
-        self.inner.remove(slot)
-
-    def candidates(self) -> Iterator[int]:
-        def priority_of(slot: int) -> int:
-            key = self._key_at(slot)
-            return 0 if key is None else self._priority(key)
-
-        return retained_last(self.inner.candidates(), priority_of)

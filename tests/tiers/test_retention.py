@@ -50,7 +50,7 @@ def test_the_disk_evicts_unretained_records_first_and_an_expired_retention_prote
     record = HEADER_BYTES + CHUNK
     tier = DiskTier(tmp_path, 4 * record)
     try:
-        tier.retention_of = table.priority
+        tier.use_retention(table)
         data = np.full(CHUNK, 7, dtype=np.uint8)
         tier.write_many(NS, [(key(i), data) for i in range(4)])
         table.retain(NS, [key(0)], 80, 60)

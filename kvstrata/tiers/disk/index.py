@@ -11,7 +11,8 @@ Invariants:
   with it held (or from `__init__`, before any other thread knows the tier).
 - Allocated records (payload and header) never exceed `capacity` bytes; evicted records make
   room (oldest first; with `reuse_of` set, the least reused of the oldest few first;
-  with `retention_of` set, retained records after all others).
+  with a retention table in use, retained records after all others, at O(1) per record
+  read whatever is retained: tiers/retention_order.py).
   Records with an I/O in flight are never evicted or reused.
 - A tenant's slabs never grow past its quota (`kvstrata.tiers.quotas`): at it a slab
   evicts its own records, never another tenant's.
@@ -51,7 +52,8 @@ from kvstrata.tiers.policies import make_policy
 from kvstrata.tiers.quotas import TenantQuotas
 from kvstrata.tiers.records import HEADER_BYTES, RecordHeader
 from kvstrata.tiers.reuse_eviction import REUSE_EVICTION_WINDOW  # noqa: F401 - tests read it here
-from kvstrata.tiers.retention import retained_last
+from kvstrata.tiers.retention import RetentionTable
+from kvstrata.tiers.retention_order import RetentionOrder
 from kvstrata.tiers.reuse_eviction import ReuseOf, least_reused_first
 
 logger = logging.getLogger(__package__)  # the tier logs under one name, "kvstrata.tiers.disk"
@@ -87,9 +89,9 @@ class SlabIndex:
         # (namespace, keys) -> each key's estimated recent uses; set by the node store when
         # it keeps a reuse sketch (admission.store: reuse), so evictions prefer one-offs.
         self.reuse_of: ReuseOf | None = None
-        # (namespace, key) -> live retention priority (kv.retain hints, tiers/retention.py):
-        # retained records are evicted after every unretained one, lowest priority first.
-        self.retention_of: Callable[[str, bytes], int] | None = None
+        # kv.retain hints (tiers/retention.py), set by `use_retention`: retained records are
+        # evicted after every unretained one, lowest priority first.
+        self.retention: RetentionTable | None = None
         self._lock = threading.Lock()
         self._slabs: dict[str, _Slab] = {}
         self._anchor_groups: dict[str, list[int] | tuple[int, ...] | None] = {}  # for slabs not open yet
@@ -246,12 +248,42 @@ class SlabIndex:
         if self.on_change is not None and keys:
             self.on_change(namespace, keys, present)
 
+    def use_retention(self, table: RetentionTable) -> None:
+        """Evict retained records last from now on: every slab's order is wrapped (its records
+        already retained move behind), and the table tells this index of each change."""
+        with self._lock:
+            if self.retention is not None:
+                return
+            self.retention = table
+            for slab in self._slabs.values():
+                self._wrap(slab)
+                for record in list(slab.key_of):
+                    slab.policy.refresh(record)
+        table.listeners.append(self.retention_changed)
+
+    def retention_changed(self, namespace: str, keys: list[bytes]) -> None:
+        """The retention of `keys` changed (a table listener; called outside the table's lock)."""
+        with self._lock:
+            slab = self._slabs.get(namespace)
+            if slab is None or not isinstance(slab.policy, RetentionOrder):
+                return
+            for key in keys:
+                record = slab.index.get(key)
+                if record is not None:
+                    slab.policy.refresh(record)
+
+    def _wrap(self, slab: _Slab) -> None:
+        table, namespace = self.retention, slab.namespace
+        if table is not None and not isinstance(slab.policy, RetentionOrder):
+            slab.policy = RetentionOrder(slab.policy, slab.key_of.get, lambda key: table.entry(namespace, key), table.clock)
+
     def _slab(self, namespace: str, payload_bytes: int, alignment: int | None = None) -> _Slab:
         slab = self._slabs.get(namespace)
         if slab is None:
             alignment = payload_alignment(payload_bytes) if alignment is None else alignment
             path = self.root / _slab_name(namespace, payload_bytes, alignment)
             slab = _Slab(path, namespace, payload_bytes, alignment, self.direct_io, make_policy(self.eviction_policy))
+            self._wrap(slab)
             slab.positions.set_anchor_groups(self._anchor_groups.pop(namespace, None))
             self._slabs[namespace] = slab
         elif slab.payload_bytes != payload_bytes:
@@ -297,12 +329,10 @@ class SlabIndex:
         window of `REUSE_EVICTION_WINDOW` oldest candidates least-reused first (ties: oldest
         first). Busy records are skipped; a record dropped meanwhile (a dependent of one
         evicted before it) is not yielded. The caller may drop what it was given."""
-        candidates = (record for record in slab.policy.candidates() if record not in slab.busy)
-        retention_of = self.retention_of
-        if retention_of is not None:  # a record dropped while deferred (a dependent) is not yielded
-            named = ((record, slab.key_of[record]) for record in candidates)
-            ordered = retained_last(named, lambda pair: retention_of(slab.namespace, pair[1]))
-            candidates = (record for record, key in ordered if slab.key_of.get(record) == key)
+        # Checked as each is read, not when its window was: an anchor evicted just before drops
+        # its dependents, whose records the policy's window may still hold (a KeyError here
+        # once lost the batch's records and the namespace's disk tier for good).
+        candidates = (record for record in slab.policy.candidates() if record in slab.key_of and record not in slab.busy)
         if self.reuse_of is None:
             yield from candidates
             return

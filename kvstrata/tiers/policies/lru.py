@@ -17,6 +17,11 @@ class LRUPolicy(EvictionPolicy):
         self._order[slot] = None
         self._order.move_to_end(slot)
 
+    def add_oldest(self, slot: int) -> None:
+        """Add `slot` as the next to evict (a retained chunk whose retention ended unused)."""
+        self._order[slot] = None
+        self._order.move_to_end(slot, last=False)
+
     def touch(self, slot: int) -> None:
         if slot in self._order:
             self._order.move_to_end(slot)
