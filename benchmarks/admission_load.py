@@ -18,7 +18,7 @@ What runs, all in one process tree on this machine (loopback only):
 - The reference, no object tier: a fresh engine whose arena is empty recomputes every
   prompt. Its mean TTFT gives this machine's break-even bandwidth, the one at which
   loading a prompt's KV takes as long as recomputing it (KV bytes / mean TTFT).
-- Three bandwidths through a loopback proxy that caps the bucket (kvstrata.faults.proxy):
+- Three bandwidths through a loopback proxy that caps the bucket (kvstrata._dev.faults.proxy):
   uncapped, `--middle` x break-even and `--slow` x break-even. At each, `always` and
   `break_even`, each on a fresh engine and a fresh node store (an empty arena, as a
   node that never saw the prompts): the timed prompts come from the bucket or are
@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstrata.faults.session import set_session_env
+from kvstrata._dev.faults.session import set_session_env
 
 PROBES = 2
 WARMUPS = 5
@@ -84,7 +84,7 @@ def config(
 def engine(model: Path, cfg: dict[str, Any]):
     """A vLLM engine with kvstrata and a fresh node store; both taken down after."""
     from kvstrata.actors.client import get_node_store, shutdown_node_store
-    from kvstrata.testing import make_llm, shutdown_llm
+    from kvstrata._dev.testing import make_llm, shutdown_llm
 
     llm = make_llm(model, cfg)
     try:
@@ -238,9 +238,9 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvstrata.faults.proxy import FaultProxy
-    from kvstrata.s3_server import LocalS3Server, weed_binary
-    from kvstrata.testing import build_tiny_llama, local_ray
+    from kvstrata._dev.faults.proxy import FaultProxy
+    from kvstrata._dev.s3_server import LocalS3Server, weed_binary
+    from kvstrata._dev.testing import build_tiny_llama, local_ray
 
     if weed_binary() is None:
         raise SystemExit("needs seaweedfs (weed) for the local S3 server: see docs/benchmarks.md")

@@ -105,7 +105,7 @@ def random_bf16(count: int, rng: np.random.Generator) -> bytes:
 
 def write_checkpoint(directory: Path, gib: float) -> dict[str, str]:
     """Shards of at most SHARD_BYTES, their index, config and tokenizer; returns each shard's sha256."""
-    from kvstrata.testing import build_tiny_llama
+    from kvstrata._dev.testing import build_tiny_llama
 
     directory.mkdir(parents=True)
     tokenizer = build_tiny_llama(directory.parent / "tokenizer-source")

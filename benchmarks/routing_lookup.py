@@ -45,7 +45,7 @@ from kvstrata.routing.figures import ClusterFigures, NodeFigures
 from kvstrata.routing.keys import KeyScheme, chunks_of_prompt
 from kvstrata.routing.plan import cluster_coverages, plan_prompt
 from kvstrata.routing.prompt import Tokenizers, render_token_ids
-from kvstrata.testing import build_tiny_llama, local_ray
+from kvstrata._dev.testing import build_tiny_llama, local_ray
 
 NS = "bench-routing"
 MODEL = "bench-model"

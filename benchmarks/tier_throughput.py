@@ -272,7 +272,7 @@ def ceiling(rounds: list[dict[str, tuple[float, float]]], column: int) -> tuple[
 
 
 def object_main(total_mib: int, concurrency: int, rounds: int, out: Path, title: str) -> None:
-    from kvstrata.s3_server import LocalS3Server
+    from kvstrata._dev.s3_server import LocalS3Server
 
     columns = ["chunk KiB", "PUT GB/s", "GET GB/s", "raw PUT GB/s", "raw GET GB/s", "PUT/raw", "GET/raw",
                "raw best PUT", "raw best GET"]  # fmt: skip

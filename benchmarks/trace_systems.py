@@ -11,7 +11,7 @@ accounting (tokens, gaps, ceiling) is the replay's, the same for every system.
 - `StrataSystem`: kvstrata's real `NodeStore` in this process, no Ray: its arena (shared
   memory files in a temporary directory), its disk tier and optionally its object tier
   over `file://`, every background job run right after the step that queued it (the
-  executor seam kvstrata/sim uses), on a fake clock the replay moves to each request's time. The engine
+  executor seam kvstrata/_dev/sim uses), on a fake clock the replay moves to each request's time. The engine
   side is the control protocol itself (actors/protocol.py), as a manager sends it: one
   step pins the hit prefix (what the store's index says is in some tier) and reserves
   slots for the rest; chunks not in the arena come back `pending` while they are
@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstrata.store.executors import InlineExecutor, ManualExecutors
+from kvstrata._dev.executors import InlineExecutor, ManualExecutors
 from kvstrata.store.node_store import NodeStore
 from kvstrata.protocol import StepRequest
 from kvstrata.keys import Layout

@@ -67,7 +67,7 @@ def run(hybrid: bool, out: TextIO) -> int:
     import kvstrata
     from kvstrata.actors.client import current_node_id, shutdown_node_store
     from kvstrata.keys import key_group
-    from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
+    from kvstrata._dev.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
 
     say = functools.partial(print, file=out)
     ray.init(address="local", namespace="kvstrata", include_dashboard=False, log_to_driver=False)

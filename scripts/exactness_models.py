@@ -1,6 +1,6 @@
 """The tiny random-weight models of the exactness matrix, one per model shape, built locally.
 
-Every model shares the character-level tokenizer of `kvstrata.testing` (one token per
+Every model shares the character-level tokenizer of `kvstrata._dev.testing` (one token per
 character, so a prompt's length in tokens is its length in characters plus the BOS) and
 head_dim 32 (the CPU build of vLLM wants >= 32). Weights are drawn with a fixed seed and
 scaled up, so that logits depend visibly on every KV byte.
@@ -20,7 +20,7 @@ def _tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from kvstrata.testing import VOCAB
+    from kvstrata._dev.testing import VOCAB
 
     vocab = {token: index for index, token in enumerate(VOCAB)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -101,7 +101,7 @@ def build_mla(directory: Path, seed: int = 4) -> Path:
 
 def build(shape: str, root: Path) -> tuple[Path, dict[str, Any]]:
     """The model directory of `shape` under `root` (built once) and the engine arguments it needs."""
-    from kvstrata.testing import build_tiny_llama
+    from kvstrata._dev.testing import build_tiny_llama
 
     root.mkdir(parents=True, exist_ok=True)
     if shape in (DENSE, FP8):

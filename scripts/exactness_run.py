@@ -53,7 +53,7 @@ class Outcome:
 
 
 def token_ids(text: str) -> list[int]:
-    from kvstrata.testing import VOCAB
+    from kvstrata._dev.testing import VOCAB
 
     index = {token: i for i, token in enumerate(VOCAB)}
     return [1] + [index[ch] for ch in text]  # BOS, then one token per character
@@ -129,7 +129,7 @@ class Matrix:
         self._stack.callback(shutil.rmtree, shm, True)
         self.s3 = None
         if self.need_bucket:
-            from kvstrata.s3_server import LocalS3Server
+            from kvstrata._dev.s3_server import LocalS3Server
 
             self.s3 = LocalS3Server(root / "seaweed").start(buckets=("kvstrata",))
             self._stack.callback(self.s3.stop)
@@ -222,7 +222,7 @@ class Matrix:
     def start(self, kwargs: dict[str, Any], kvstrata: bool) -> Any:
         from vllm import LLM
 
-        from kvstrata.testing import kvstrata_transfer_config
+        from kvstrata._dev.testing import kvstrata_transfer_config
 
         if kvstrata:
             kwargs = dict(kwargs, kv_transfer_config=kvstrata_transfer_config(self.config, block_size=design.CHUNK))
@@ -245,7 +245,7 @@ class Matrix:
 
     @staticmethod
     def stop(llm: Any) -> None:
-        from kvstrata.testing import shutdown_llm
+        from kvstrata._dev.testing import shutdown_llm
 
         shutdown_llm(llm)
 
@@ -397,7 +397,7 @@ class Matrix:
         import ray
 
         from kvstrata.actors.client import get_node_store
-        from kvstrata.testing import ChunkProbe
+        from kvstrata._dev.testing import ChunkProbe
 
         peer_store = get_node_store(self.peer)
         for namespace in {ns for ns, _ in chunks}:

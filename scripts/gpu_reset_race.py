@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstrata.connector.copy_engine import CopyEngine  # noqa: E402
-from kvstrata.gpucheck.layouts import Dims, build  # noqa: E402
+from kvstrata._dev.gpucheck.layouts import Dims, build  # noqa: E402
 from kvstrata.tiers.arena import Arena  # noqa: E402
 
 CHUNKS = 8

@@ -10,7 +10,7 @@ own queries:
 1. Record. A two-node Ray cluster on loopback (`ray.cluster_utils.Cluster`, each node with
    its metrics export port), a store per node (cpu arena + its own disk directory + one
    `file://` object store they share) and the cluster directory. Probes standing for
-   engines (`kvstrata.testing.ChunkProbe`) store one namespace's chunks on node A and
+   engines (`kvstrata._dev.testing.ChunkProbe`) store one namespace's chunks on node A and
    another's on node B, read them back (arena hits, promotions from disk and the object
    store, misses), and read node A's from node B too (peer and object promotions); one
    holder keeps chunks pinned for a while. Two incidents: the
@@ -137,7 +137,7 @@ def record(seconds: float, csv_path: Path, workdir: Path, shm_dir: str) -> None:
     from kvstrata.actors.directory import directory_shard
     from kvstrata.protocol import StepRequest
     from kvstrata.config import load_config
-    from kvstrata.testing import ChunkProbe
+    from kvstrata._dev.testing import ChunkProbe
     from kvstrata.tiers.records import HEADER_BYTES
     from tests.utils import flip_disk_payload_bytes
 

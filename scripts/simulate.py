@@ -1,4 +1,4 @@
-"""Run the deterministic simulation of engines, store and tiers (kvstrata/sim, issue #37).
+"""Run the deterministic simulation of engines, store and tiers (kvstrata/_dev/sim, issue #37).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --minutes 1 [--seed 7]
     PYTHONPATH=$PWD .venv/bin/python scripts/simulate.py --replay trace.json
@@ -7,15 +7,15 @@
 
 Seeds run one after another from `--seed` (each draws its own world: 1-3 engines, tier
 policies, sizes) for at most `--events-per-seed` actions, until `--minutes` (or `--events`)
-are spent. After every action the invariants are checked (kvstrata/sim/invariants.py).
+are spent. After every action the invariants are checked (kvstrata/_dev/sim/invariants.py).
 A violation stops the run: the script prints it, shrinks the run to a short trace, prints
 that trace as one JSON line (replay it with `--replay`) and exits 1. The last line is
 always `N events, E events/s, V violations`.
 
 `--scenarios` runs the fixed interleavings of the issue's findings instead
-(kvstrata/sim/scenarios.py) and prints what each violates (nothing, once fixed).
-`--mutants` runs the mutation check (kvstrata/sim/mutation.py): each protocol fix of
-kvstrata/sim/mutants.py reverted by one line in a scratch copy of the package, the
+(kvstrata/_dev/sim/scenarios.py) and prints what each violates (nothing, once fixed).
+`--mutants` runs the mutation check (kvstrata/_dev/sim/mutation.py): each protocol fix of
+kvstrata/_dev/sim/mutants.py reverted by one line in a scratch copy of the package, the
 simulation run on it in a child process; every mutant must be found and the unmutated
 copy must keep every invariant (a mutant whose line moved is reported `stale`).
 Iteration over sets of bytes depends on PYTHONHASHSEED: the script fixes it (re-executing
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scenarios", action="store_true", help="run the fixed interleavings of issue #37")
     parser.add_argument(
         "--mutants", action="store_true",
-        help="the mutation check: each protocol fix reverted (kvstrata/sim/mutants.py) must be found",
+        help="the mutation check: each protocol fix reverted (kvstrata/_dev/sim/mutants.py) must be found",
     )  # fmt: skip
     parser.add_argument("--only", action="append", default=[], help="with --mutants: run this mutant only (repeatable)")
     parser.add_argument("--jobs", type=int, default=2, help="with --mutants: mutants run at once (default 2)")
@@ -64,9 +64,9 @@ def main() -> int:
     args = build_parser().parse_args()
     logging.disable(logging.CRITICAL)  # the store logs what it refuses: the checks say what matters
 
-    from kvstrata.sim.explore import replay, run_seed, shrink
-    from kvstrata.sim.scenarios import SCENARIOS
-    from kvstrata.sim.world import config_from_json
+    from kvstrata._dev.sim.explore import replay, run_seed, shrink
+    from kvstrata._dev.sim.scenarios import SCENARIOS
+    from kvstrata._dev.sim.world import config_from_json
 
     if args.mutants:
         return run_mutants(args)
@@ -119,8 +119,8 @@ def main() -> int:
 
 def run_mutants(args: argparse.Namespace) -> int:
     """Each mutant on a scratch copy in a child process; exit 1 unless all are found and the control is clean."""
-    from kvstrata.sim import mutation
-    from kvstrata.sim.mutants import MUTANTS, UNFOUND
+    from kvstrata._dev.sim import mutation
+    from kvstrata._dev.sim.mutants import MUTANTS, UNFOUND
 
     chosen = [m for m in MUTANTS + UNFOUND if m.name in args.only] if args.only else MUTANTS
     unknown = set(args.only) - {m.name for m in MUTANTS + UNFOUND}

@@ -4,7 +4,7 @@ for as long as asked; fails if anything the store owns keeps growing.
     .venv/bin/python scripts/soak.py --minutes 30 --json soak.json
 
 Samples the node store's RSS, open fds and threads, the arena's files and the disk
-tier's bytes, and the round's hit rate after every round (kvstrata/faults/soak.py says
+tier's bytes, and the round's hit rate after every round (kvstrata/_dev/faults/soak.py says
 what counts as levelling off). docs/fault-matrix.md has the last 30-minute table.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstrata.faults.session import set_session_env  # noqa: E402
+from kvstrata._dev.faults.session import set_session_env  # noqa: E402
 
 set_session_env()
 
@@ -35,8 +35,8 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from kvstrata.faults.session import fault_session
-    from kvstrata.faults.soak import run_soak
+    from kvstrata._dev.faults.session import fault_session
+    from kvstrata._dev.faults.soak import run_soak
 
     parser = build_parser()
     args = parser.parse_args()

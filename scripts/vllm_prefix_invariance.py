@@ -66,9 +66,9 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
-    from kvstrata.faults import load
-    from kvstrata.faults.harness import PROMPTS
-    from kvstrata.testing import build_tiny_llama, shutdown_llm
+    from kvstrata._dev.faults import load
+    from kvstrata._dev.faults.harness import PROMPTS
+    from kvstrata._dev.testing import build_tiny_llama, shutdown_llm
 
     with tempfile.TemporaryDirectory(prefix="kvstrata-invariance-") as scratch:
         model = build_tiny_llama(Path(scratch) / "tiny", seed=11)  # the fault matrix's model

@@ -4,12 +4,12 @@
 recovery put this in front of it instead: `cut()` drops every open connection and
 resets new ones (what clients see of a dead server), `restore()` forwards again.
 `bytes_per_second` caps what all its connections together carry (both directions share
-one budget). The fault matrix's proxy (`kvstrata.faults.proxy`) with two switches.
+one budget). The fault matrix's proxy (`kvstrata._dev.faults.proxy`) with two switches.
 """
 
 from __future__ import annotations
 
-from kvstrata.faults.proxy import FaultProxy
+from kvstrata._dev.faults.proxy import FaultProxy
 
 
 class TcpProxy(FaultProxy):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from kvstrata.testing import shutdown_llm
+from kvstrata._dev.testing import shutdown_llm
 
 # Starts a worker that ignores SIGTERM, says so, then sleeps: a core and a worker that outlive the shutdown.
 CORE = """

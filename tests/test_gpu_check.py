@@ -81,7 +81,7 @@ def test_the_gpu_check_runs_in_cpu_mode_with_only_what_the_gpu_image_has(tmp_pat
         assert f"| {part} | ok |" in summary, summary
     assert "skipped" in summary  # pytest ran and skipped the CUDA tests
     harness = json.loads((out_dir / "harness.json").read_text())
-    from kvstrata.gpucheck.layouts import LAYOUTS
+    from kvstrata._dev.gpucheck.layouts import LAYOUTS
 
     assert harness["runs"] == len(LAYOUTS) and harness["failed_runs"] == 0 and harness["chunks_checked"] > 0
     assert "gpu check: 4/4 parts ok" in proc.stdout

@@ -5,8 +5,9 @@ connector (the vLLM adapter) <- routing
 (the Ray Serve request router: it reads the directory and names chunks with vLLM's
 hashing, through the compat module like every other vLLM use). Every
 import counts, also one inside a function: a lazy import that runs upward still ties
-a lower layer to a higher one. `kvstrata.testing` is a helper for tests, examples and
-benchmarks and stands outside the layers.
+a lower layer to a higher one. `kvstrata._dev` (the simulation, the fault matrix, the GPU
+check, test helpers) serves tests, examples and benchmarks, stands outside the layers, and
+is not in the wheel: nothing else in the package may import it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ FORBIDDEN = {
     "kvstrata.config": ("kvstrata.tiers", "kvstrata.actors", "kvstrata.connector", "kvstrata.routing", "ray", "vllm"),
 }
 VLLM_GATEWAY = "kvstrata.connector.compat"
-OUTSIDE_LAYERS = ("kvstrata.testing", "kvstrata.faults", "kvstrata.sim")
+OUTSIDE_LAYERS = ("kvstrata._dev",)
 
 
 def module_name(path: Path) -> str:
@@ -197,3 +198,31 @@ def test_the_private_call_check_sees_a_call_into_another_part(tmp_path):
     calls = [sub.func for sub in ast.walk(node) if isinstance(sub, ast.Call)]
     assert {call.attr for call in calls} == {"_promote", "_finish"}
     assert "_promote" not in own_private_names(node)
+
+
+def test_the_product_never_imports_the_dev_harnesses(graph):
+    """`kvstrata._dev` is left out of the wheel (pyproject.toml): an import of it from the
+    product would fail for every user who installed the wheel."""
+    wrong = [
+        f"{module} imports {imported}"
+        for module, imported_set in graph.items()
+        if not within(module, "kvstrata._dev")
+        for imported in imported_set
+        if within(imported, "kvstrata._dev")
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_wheel_leaves_out_the_dev_harnesses_and_psutil():
+    """What `pip wheel .` packs: setuptools' own package finder with pyproject's settings
+    (checked by hand with `pip wheel . && unzip -l`, docs/operations.md)."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    found = project["tool"]["setuptools"]["packages"]["find"]
+    packages = find_packages(str(PACKAGE.parent), include=found["include"], exclude=found.get("exclude", ()))
+    assert "kvstrata" in packages and "kvstrata.store" in packages
+    assert not [name for name in packages if within(name, "kvstrata._dev")], packages
+    assert not [dep for dep in project["project"]["dependencies"] if dep.split()[0].startswith("psutil")]

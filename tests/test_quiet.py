@@ -17,7 +17,7 @@ import logging, os, subprocess, sys, warnings
 from kvstrata.quiet import quiet_output
 with quiet_output("mini") as terminal:
     print("result: 42", file=terminal)
-    logging.getLogger("kvstrata.testing").warning("an engine process did not exit")
+    logging.getLogger("kvstrata._dev.testing").warning("an engine process did not exit")
     print("chatter on stdout")
     print("chatter on stderr", file=sys.stderr)
     warnings.warn("a library's warning")
@@ -44,7 +44,7 @@ def test_the_terminal_gets_the_examples_lines_and_the_log_gets_the_rest(tmp_path
     assert run.stdout.splitlines() == [
         f"vLLM, Ray and torch messages: {log}",
         "result: 42",
-        "WARNING kvstrata.testing: an engine process did not exit",
+        "WARNING kvstrata._dev.testing: an engine process did not exit",
         "after the example",
     ]
     assert run.stderr == ""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstrata.faults.soak import SoakSample, Tolerances, levelling_problems
+from kvstrata._dev.faults.soak import SoakSample, Tolerances, levelling_problems
 
 MIB = 1 << 20
 

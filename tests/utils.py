@@ -6,8 +6,8 @@ import hashlib
 from pathlib import Path
 
 from kvstrata.keys import Layout, make_key
-from kvstrata.faults.damage import flip_disk_payload_bytes  # noqa: F401 - re-exported for the tests
-from kvstrata.testing import local_ray  # noqa: F401 - re-exported for the tests
+from kvstrata._dev.faults.damage import flip_disk_payload_bytes  # noqa: F401 - re-exported for the tests
+from kvstrata._dev.testing import local_ray  # noqa: F401 - re-exported for the tests
 
 
 class FakeClock:

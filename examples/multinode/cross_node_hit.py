@@ -34,17 +34,17 @@ class EngineOnNode:
     """A vLLM engine with kvstrata, living on one node."""
 
     def __init__(self, model: str, config: Any):
-        from kvstrata.testing import make_llm
+        from kvstrata._dev.testing import make_llm
 
         self.llm = make_llm(model, config)
 
     def run(self, prompts: list[str]) -> list[dict[str, Any]]:
-        from kvstrata.testing import run_round
+        from kvstrata._dev.testing import run_round
 
         return run_round(self.llm, prompts)
 
     def shutdown(self) -> None:
-        from kvstrata.testing import shutdown_llm
+        from kvstrata._dev.testing import shutdown_llm
 
         shutdown_llm(self.llm)
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace, out: TextIO) -> None:
 
     from kvstrata.actors.cluster import down, store_nodes, up
     from kvstrata.config import load_config
-    from kvstrata.testing import build_tiny_llama, shared_prefix_prompts
+    from kvstrata._dev.testing import build_tiny_llama, shared_prefix_prompts
 
     with tempfile.TemporaryDirectory(prefix="kvstrata-multinode-") as workdir:
         sim = None

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvstrata.testing import cached_tokens, chat, wait_until_serving
+from kvstrata._dev.testing import cached_tokens, chat, wait_until_serving
 
 TIER_CONFIG = {"tiers": {"cpu": {"capacity": "256MiB", "segment_size": "64MiB"}}}
 APP_NAME = "kvstrata-llm"
@@ -95,11 +95,11 @@ def serve_demo(model: str | None, port: int, out: TextIO) -> None:
     from ray import serve
 
     from kvstrata.actors.client import get_node_store, shutdown_node_store
-    from kvstrata.testing import serve_engine_shared_memory
+    from kvstrata._dev.testing import serve_engine_shared_memory
 
     with tempfile.TemporaryDirectory(prefix="kvstrata-serve-") as workdir:
         if model is None:
-            from kvstrata.testing import build_tiny_llama
+            from kvstrata._dev.testing import build_tiny_llama
 
             model = str(build_tiny_llama(os.path.join(workdir, "tiny-llama")))
         ray.init(address="local", include_dashboard=False, log_to_driver=False)

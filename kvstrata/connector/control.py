@@ -14,7 +14,7 @@ newer hold of the same slot), and nothing a lost answer granted is lost (the sto
 the answer to an engine's last request and sends it again).
 
 What to send next and what an answer or a failure does to it is the `Outbox`'s, plain
-state without threads or clocks, so the deterministic simulation (`kvstrata.sim`) drives
+state without threads or clocks, so the deterministic simulation (`kvstrata._dev.sim`) drives
 the same decisions the thread makes.
 """
 

@@ -193,7 +193,7 @@ class CopyEngine:
 
         Duck-typed (`kv_caches.tensors[i].tensor / .page_size_bytes`,
         `kv_caches.group_data_refs[g][j].tensor_idx / .page_size_bytes`), so the GPU check
-        (`kvstrata.gpucheck`) drives the worker's own path on a machine without vLLM.
+        (`kvstrata._dev.gpucheck`) drives the worker's own path on a machine without vLLM.
         Each canonical tensor becomes `(num_blocks, page_size_bytes)` int8 rows; a group
         copies each ref's un-padded `page_size_bytes` of a page.
         """

@@ -78,7 +78,7 @@ class StrataManager(PinsAndSlots):
         channel: Callable[..., ControlChannel] = ControlChannel,
     ):
         """`channel`: builds the control channel (the thread that calls the store); the
-        deterministic simulation (`kvstrata.sim`) passes one it drives itself."""
+        deterministic simulation (`kvstrata._dev.sim`) passes one it drives itself."""
         ManagerState.__init__(self, client, layout, config, holder, enable_events, clock, async_scheduling)
         # KV hints (hints.py), bounded by the `prefetch` section's hint limits
         self._hints = HintIntake(getattr(client, "apply_hints", None), layout, self._counters, config.prefetch)

@@ -11,27 +11,22 @@ once per role at start:
 | `disk-digest` | the disk tier's checksums (`DiskTier(digests=...)`); they block the disk job that waits on them |
 
 Production keeps its threads (`thread_pools`). A test or a seeded simulation passes a
-factory that returns a `ManualExecutor` for the roles it wants to schedule (nothing runs
+factory (the doubles live in `kvstrata/_dev/executors.py`, outside the wheel) that returns
+a `ManualExecutor` for the roles it wants to schedule (nothing runs
 until it says which job runs next, so "a write queued before a purge lands after it" is
 one line of a test), and for `disk-digest` an executor that runs jobs when submitted
 (`InlineExecutor`, or a `ManualExecutor` with `hold` off): a disk write waits on its
 digests. A read does not: holding its digests is how a test lands a purge between a
 promotion's read and its commit.
 
-Owns: the thread pools' names and the two deterministic executors.
-Invariants: `ManualExecutor` runs a job only when asked, on the asking thread, each
-exactly once; `shutdown(wait=True)` runs what is still queued (including jobs those
-jobs queue), as a thread pool does; `shutdown(cancel_futures=True)` cancels it instead.
+Owns: the factory type and the thread pools' names.
 Must not: know the store's state; it only runs callables.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 ExecutorFactory = Callable[[str, int], Executor]  # (role, threads) -> the executor of that role
 
@@ -39,118 +34,3 @@ ExecutorFactory = Callable[[str, int], Executor]  # (role, threads) -> the execu
 def thread_pools(role: str, threads: int) -> Executor:
     """The production factory: one thread pool per role, named for `ps`/`py-spy`."""
     return ThreadPoolExecutor(threads, thread_name_prefix=f"kvstrata-{role}")
-
-
-class InlineExecutor(Executor):
-    """Runs each job when it is submitted, on the submitting thread."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - the future carries it, as a pool's would
-            future.set_exception(exc)
-        return future
-
-
-@dataclass(eq=False)  # a job is itself: its arguments may be arrays, which do not compare
-class Job:
-    """One queued job: `name` is its function's name (`_write_job`, `_upload_job`, ...)."""
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    future: Future = field(default_factory=Future)
-
-    @property
-    def name(self) -> str:
-        fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn
-        return getattr(fn, "__name__", repr(fn))
-
-    @property
-    def namespace(self) -> str | None:
-        """The namespace a store job works on (its first argument), if it names one."""
-        first = self.args[0] if self.args else None
-        return first if isinstance(first, str) else None
-
-
-class ManualExecutor(Executor):
-    """Queues jobs until the caller runs them, one at a time and in any order.
-
-    `pending` lists what waits; `run(job)` runs one on the calling thread and returns its
-    future (an exception stays in the future, as in a pool); `run_all()` drains the queue,
-    jobs queued meanwhile included. With `hold` False it runs each job when submitted
-    (inline) until a test sets it again: how a test holds the disk tier's checksums of one
-    read (never of a write, which waits on them: that would never return).
-    """
-
-    def __init__(self, role: str = "", hold: bool = True) -> None:
-        self.role = role
-        self.hold = hold
-        self.pending: list[Job] = []
-        self._shut = False
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        if self._shut:
-            raise RuntimeError(f"cannot schedule a job after shutdown ({self.role or 'manual'} executor)")
-        job = Job(fn, args, kwargs)
-        self.pending.append(job)
-        return job.future if self.hold else self.run(job)
-
-    def named(self, name: str) -> list[Job]:
-        return [job for job in self.pending if job.name == name]
-
-    def run(self, job: Job | int = 0) -> Future:
-        job = self.pending.pop(job) if isinstance(job, int) else self.pending.pop(self.pending.index(job))
-        try:
-            job.future.set_result(job.fn(*job.args, **job.kwargs))
-        except BaseException as exc:  # noqa: BLE001
-            job.future.set_exception(exc)
-        return job.future
-
-    def run_all(self, limit: int = 100_000) -> int:
-        """Run queued jobs, oldest first, until none is left; how many ran."""
-        ran = 0
-        while self.pending:
-            if ran >= limit:
-                raise RuntimeError(f"{self.role or 'manual'} executor: still busy after {limit} jobs")
-            self.run(0)
-            ran += 1
-        return ran
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if cancel_futures:
-            for job in self.pending:
-                job.future.cancel()
-            self.pending.clear()
-        elif wait:
-            self.run_all()
-        self._shut = True
-
-
-class ManualExecutors:
-    """A factory for `NodeStore(executors=...)`: the named roles manual, the rest thread
-    pools; `disk-digest` is a `ManualExecutor` that runs jobs inline until a test sets its
-    `hold`. `self[role]` is the manual executor of a role."""
-
-    def __init__(self, *roles: str) -> None:
-        self.roles = roles or ("disk", "object", "peer")
-        self.executors: dict[str, ManualExecutor] = {}
-
-    def __call__(self, role: str, threads: int) -> Executor:
-        if role == "disk-digest":
-            return self.executors.setdefault(role, ManualExecutor(role, hold=False))
-        if role not in self.roles:
-            return thread_pools(role, threads)
-        return self.executors.setdefault(role, ManualExecutor(role))
-
-    def __getitem__(self, role: str) -> ManualExecutor:
-        return self.executors[role]
-
-    def run_all(self, limit: int = 100_000) -> int:
-        """Drain every manual role until all are empty (jobs of one may queue jobs of another)."""
-        ran = 0
-        while any(executor.pending for executor in self.executors.values()):
-            for executor in self.executors.values():
-                ran += executor.run_all(limit)
-        return ran

@@ -272,7 +272,7 @@ class NodeStore:
             where = next((i for i, tier in enumerate(self.tiers) if tier.shared), len(self.tiers))
             self.tiers.insert(where, PeerLower(self.ctx, link, io))
 
-    # The simulation (kvstrata/sim) drives these seams of a built store.
+    # The simulation (kvstrata/_dev/sim) drives these seams of a built store.
     _lock = property(lambda self: self.ctx.lock)
     _holders = property(lambda self: self.control.holders)
     _io = property(lambda self: self._pool_of("disk"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvstrata.config import load_config
 from kvstrata.protocol import StepRequest
-from kvstrata.store.executors import ManualExecutors
+from kvstrata._dev.executors import ManualExecutors
 from kvstrata.store.node_store import NodeStore
 from tests.utils import key, store_config
 

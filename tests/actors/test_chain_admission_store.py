@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.store.executors import ManualExecutors
+from kvstrata._dev.executors import ManualExecutors
 from kvstrata.store.node_store import NodeStore
 from kvstrata.protocol import StepRequest
 from kvstrata.tiers.changelog import STORAGE

@@ -21,7 +21,7 @@ import pytest
 from kvstrata import cli
 from kvstrata.actors.client import StoreUnavailable
 from kvstrata.store.node_store import NodeStore
-from kvstrata.testing import process_tree
+from kvstrata._dev.testing import process_tree
 from kvstrata.tiers.orphans import is_locked
 from tests.utils import store_config
 
@@ -35,7 +35,7 @@ import json, sys
 import ray
 from kvstrata.actors.client import ensure_node_store
 from kvstrata.config import load_config
-from kvstrata.testing import ChunkProbe
+from kvstrata._dev.testing import ChunkProbe
 from tests.utils import key
 
 config = load_config(json.loads(sys.argv[1]))

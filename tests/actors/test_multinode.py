@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvstrata.actors.client import StoreUnavailable, get_node_store
 from kvstrata.actors.cluster import directory_shard, down, up
 from kvstrata.config import load_config
-from kvstrata.testing import ChunkProbe
+from kvstrata._dev.testing import ChunkProbe
 from tests.utils import key
 
 NS = "multinode-ns"

@@ -17,7 +17,7 @@ import yaml
 from kvstrata.actors.client import ensure_node_store, shutdown_node_store
 from kvstrata.actors.store_metrics import METRICS
 from kvstrata.config import load_config
-from kvstrata.testing import ChunkProbe
+from kvstrata._dev.testing import ChunkProbe
 from kvstrata.tiers.records import HEADER_BYTES
 from tests.utils import key, layout, local_ray, store_config
 

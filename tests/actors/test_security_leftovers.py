@@ -23,7 +23,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from rich.console import Console
 
 from kvstrata.actors import secrets as secrets_module
-from kvstrata.store.executors import ManualExecutors
+from kvstrata._dev.executors import ManualExecutors
 from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.protocol import StepRequest
 from kvstrata.cli.status_view import render_status

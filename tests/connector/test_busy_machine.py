@@ -16,7 +16,7 @@ from kvstrata.store.local_client import LocalStoreClient
 from kvstrata.connector.compat import LookupResult, ScheduleEndContext
 from kvstrata.connector.inbox import merge_idle_replies
 from kvstrata.connector.manager import StrataManager
-from kvstrata.sim.channel import SimChannel
+from kvstrata._dev.sim.channel import SimChannel
 from tests.connector.harness import HangingClient, ctx, step
 from tests.connector.test_manager import make_manager, make_store, store_keys
 from tests.connector.test_manager import _close_managers, clock, managers, new_store, store_and_config  # noqa: F401

@@ -1,4 +1,4 @@
-"""The GPU check's worker harness (kvstrata.gpucheck): on CPU here, on CUDA under -m gpu.
+"""The GPU check's worker harness (kvstrata._dev.gpucheck): on CPU here, on CUDA under -m gpu.
 
 The harness is only worth running on a rare GPU if it can fail: a copy engine that drops
 or misplaces a row must be reported, and every layout's canonical view must cover exactly
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvstrata.connector.copy_engine import CopyEngine
-from kvstrata.gpucheck.harness import WorkerHarness, default_shm_root, main
-from kvstrata.gpucheck.layouts import CPU_DIMS, GPU_DIMS, LAYOUTS, build
+from kvstrata._dev.gpucheck.harness import WorkerHarness, default_shm_root, main
+from kvstrata._dev.gpucheck.layouts import CPU_DIMS, GPU_DIMS, LAYOUTS, build
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

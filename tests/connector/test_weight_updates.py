@@ -82,7 +82,7 @@ def test_after_a_reset_old_weights_chunks_are_never_hits_even_when_stored_again(
 
 def generations_as(store, cfg, flush_signal: bool, async_scheduling: bool) -> WeightGenerations:
     """An engine whose first manager follows vLLM 0.33's reset order (`flush_signal`) or
-    0.29-0.32's, with or without async scheduling, as kvstrata/sim/engine.py sets it."""
+    0.29-0.32's, with or without async scheduling, as kvstrata/_dev/sim/engine.py sets it."""
 
     def start(generation: int):
         lay = dataclasses.replace(OLD, model_identity=f"weights-v1-updated-{generation}")

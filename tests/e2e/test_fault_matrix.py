@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.faults.harness import run_rows
-from kvstrata.faults.session import fault_session
-from kvstrata.faults.soak import run_soak
+from kvstrata._dev.faults.harness import run_rows
+from kvstrata._dev.faults.session import fault_session
+from kvstrata._dev.faults.soak import run_soak
 
 pytestmark = pytest.mark.slow
 

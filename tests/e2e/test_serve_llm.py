@@ -19,7 +19,7 @@ from kvstrata.actors.client import (
     get_node_store,
     shutdown_node_store,
 )
-from kvstrata.testing import build_tiny_llama, cached_tokens, chat, serve_engine_shared_memory, wait_until_serving
+from kvstrata._dev.testing import build_tiny_llama, cached_tokens, chat, serve_engine_shared_memory, wait_until_serving
 from tests.e2e.expect import BLOCK, expected_hit
 from tests.utils import local_ray
 

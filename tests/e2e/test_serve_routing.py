@@ -11,8 +11,8 @@ import pytest
 
 from kvstrata.actors.client import get_node_store
 from kvstrata.routing.ledger import read_ledger
-from kvstrata.simulated_serve import serve_app, simulated_cluster, stream_chat
-from kvstrata.testing import build_tiny_llama
+from kvstrata._dev.simulated_serve import serve_app, simulated_cluster, stream_chat
+from kvstrata._dev.testing import build_tiny_llama
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from kvstrata.actors.client import get_node_store
-from kvstrata.testing import (
+from kvstrata._dev.testing import (
     build_tiny_llama,
     make_llm,
     run_round,

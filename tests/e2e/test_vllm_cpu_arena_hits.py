@@ -17,7 +17,7 @@ import gc
 
 import pytest
 
-from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
+from kvstrata._dev.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
 from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
 
 pytestmark = pytest.mark.slow

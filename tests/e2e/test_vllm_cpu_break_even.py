@@ -24,8 +24,8 @@ import pytest
 import ray
 
 from kvstrata.actors.client import get_node_store, shutdown_node_store
-from kvstrata.s3_server import LocalS3Server, weed_binary
-from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
+from kvstrata._dev.s3_server import LocalS3Server, weed_binary
+from kvstrata._dev.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
 from tests.e2e.expect import assert_close_logprobs, expected_hit
 from tests.tcp_proxy import TcpProxy
 

@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from kvstrata.actors.client import get_node_store
-from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
+from kvstrata._dev.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
 from tests.e2e.configs import arena_and_disk
 from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
 from tests.utils import flip_disk_payload_bytes

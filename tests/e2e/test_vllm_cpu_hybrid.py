@@ -10,7 +10,7 @@ import ray
 
 from kvstrata.actors.client import get_node_store
 from kvstrata.keys import key_group
-from kvstrata.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
+from kvstrata._dev.testing import build_tiny_llama, make_llm, run_round, shared_prefix_prompts, shutdown_llm
 from tests.e2e.configs import arena_and_disk
 from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
 from tests.e2e.tamper import corrupt_chunks

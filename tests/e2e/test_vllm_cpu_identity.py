@@ -27,7 +27,7 @@ import ray
 
 from kvstrata.actors.client import get_node_store
 from kvstrata.identity import EXACT, SAMPLED, fingerprint_checkpoint, sampled_ranges
-from kvstrata.testing import VOCAB, build_tiny_llama, make_llm, run_round, shutdown_llm
+from kvstrata._dev.testing import VOCAB, build_tiny_llama, make_llm, run_round, shutdown_llm
 from tests.e2e.expect import assert_close_logprobs, assert_served_by_kvstrata
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ from vllm import SamplingParams
 
 from kvstrata.actors.client import get_node_store
 from kvstrata.connector.compat import ScheduleEndContext
-from kvstrata.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
+from kvstrata._dev.testing import build_tiny_llama, make_llm, run_round, shutdown_llm
 from kvstrata.warm import warm
 from tests.e2e.expect import assert_served_by_kvstrata, expected_hit
 

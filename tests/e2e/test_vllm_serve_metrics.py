@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.connector.metrics import COUNTER_NAMES, GAUGE_NAMES, metric_name
-from kvstrata.testing import ENGINE_EXIT_TIMEOUT_S, build_tiny_llama
+from kvstrata._dev.testing import ENGINE_EXIT_TIMEOUT_S, build_tiny_llama
 from tests.e2e.expect import BLOCK, expected_hit
 
 pytestmark = pytest.mark.slow

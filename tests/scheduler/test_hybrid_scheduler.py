@@ -27,7 +27,7 @@ from kvstrata.connector.manager import StrataManager
 from kvstrata.connector.spec import StrataSpec
 from kvstrata.connector.worker import StrataWorker
 from kvstrata.keys import key_group, key_hash, make_key
-from kvstrata.testing import build_tiny_llama
+from kvstrata._dev.testing import build_tiny_llama
 from tests.utils import crowd_out
 
 BLOCK = 32  # tokens per block and per chunk

@@ -1,5 +1,5 @@
 """Issue #37's findings 1, 2, 6 and 7 as fixed interleavings of the simulation
-(kvstrata/sim/scenarios.py): each keeps every invariant of kvstrata/sim/invariants.py.
+(kvstrata/_dev/sim/scenarios.py): each keeps every invariant of kvstrata/_dev/sim/invariants.py.
 
 Proof that they test something: each failed on commit 297d87f (the simulation before the
 protocol fixes) with the violation the issue describes, and passes from 7659a2b on:
@@ -22,7 +22,7 @@ import logging
 
 import pytest
 
-from kvstrata.sim.scenarios import SCENARIOS
+from kvstrata._dev.sim.scenarios import SCENARIOS
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The mutation check (kvstrata/sim/mutation.py, the list in kvstrata/sim/mutants.py): each
+"""The mutation check (kvstrata/_dev/sim/mutation.py, the list in kvstrata/_dev/sim/mutants.py): each
 protocol fix reverted by one line in a scratch copy of the package must be found by its
 finder (a directed scenario, or random runs within 100,000 events), and the unmutated
 copy must keep every invariant under every finder the list uses.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.sim import mutation
-from kvstrata.sim.mutants import MUTANTS, UNFOUND
-from kvstrata.sim.mutation import Mutant, mutate, scratch_copy
+from kvstrata._dev.sim import mutation
+from kvstrata._dev.sim.mutants import MUTANTS, UNFOUND
+from kvstrata._dev.sim.mutation import Mutant, mutate, scratch_copy
 
 CI_EVENTS = 100_000  # the most events a random finder may need
 
@@ -30,14 +30,14 @@ def test_a_line_that_moved_or_repeats_is_stale_not_found():
     mutant = Mutant("m", "kvstrata/x.py", "if x > 2:", "if False:", "fix", "scenario:s")
     assert mutate("if x > 1:\n    pass\n", mutant) is None
     assert mutate("if x > 2:\n    pass\nif x > 2:\n    pass\n", mutant) is None
-    root, why = scratch_copy(Mutant("m", "kvstrata/sim/mutation.py", "no such line at all", "x", "fix", "scenario:s"))
+    root, why = scratch_copy(Mutant("m", "kvstrata/_dev/sim/mutation.py", "no such line at all", "x", "fix", "scenario:s"))
     assert root is None and "not in it exactly once" in why
 
 
 def test_every_mutant_names_a_line_of_the_code_and_a_finder_within_the_ci_budget():
     names = [mutant.name for mutant in MUTANTS + UNFOUND]
     assert len(names) == len(set(names))
-    from kvstrata.sim.scenarios import SCENARIOS
+    from kvstrata._dev.sim.scenarios import SCENARIOS
 
     for mutant in MUTANTS + UNFOUND:
         root, why = scratch_copy(mutant)
@@ -52,7 +52,7 @@ def test_every_mutant_names_a_line_of_the_code_and_a_finder_within_the_ci_budget
 
 def test_scratch_copies_are_removed(tmp_path):
     root, _ = scratch_copy(None)
-    assert (Path(root) / "kvstrata" / "sim" / "mutants.py").is_file()
+    assert (Path(root) / "kvstrata" / "_dev" / "sim" / "mutants.py").is_file()
     shutil.rmtree(root)
 
 

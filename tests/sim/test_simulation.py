@@ -13,8 +13,8 @@ import time
 import pytest
 
 from kvstrata.store.context import Generations
-from kvstrata.sim.explore import config_for, replay, run_seed, shrink
-from kvstrata.sim.world import config_from_json
+from kvstrata._dev.sim.explore import config_for, replay, run_seed, shrink
+from kvstrata._dev.sim.world import config_from_json
 from kvstrata.tiers.reuse import DeferredReuse
 
 RANDOM_EVENTS = 100_000

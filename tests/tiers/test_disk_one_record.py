@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstrata.store.executors import ManualExecutor
+from kvstrata._dev.executors import ManualExecutor
 from kvstrata.tiers.disk import HEADER_BYTES, DiskTier
 from kvstrata.tiers.disk import tier as tier_module
 from tests.utils import key

@@ -14,7 +14,7 @@ import pytest
 
 from kvstrata.config import load_config
 from kvstrata.protocol import StepRequest
-from kvstrata.store.executors import ManualExecutors
+from kvstrata._dev.executors import ManualExecutors
 from kvstrata.store.node_store import NodeStore
 from kvstrata.tiers.disk import HEADER_BYTES
 from tests.tiers import memory_tier

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvstrata.config import ObjectTierConfig
-from kvstrata.s3_server import LocalS3Server, weed_binary
+from kvstrata._dev.s3_server import LocalS3Server, weed_binary
 from kvstrata.tiers.object_store import ObjectTier
 from kvstrata.tiers.records import HEADER_BYTES
 from tests.tcp_proxy import TcpProxy

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-BLOCK = 32  # the engines' block size (kvstrata.testing.make_llm)
+BLOCK = 32  # the engines' block size (kvstrata._dev.testing.make_llm)
 MAX_TOKENS = 48  # decode steps keep a round in flight long enough for a fault to land mid-round
 
 

@@ -26,12 +26,12 @@ import numpy as np
 from kvstrata.store.node_store import NodeStore
 from kvstrata.config import load_config
 from kvstrata.keys import Layout, make_key
-from kvstrata.sim import invariants
-from kvstrata.sim.channel import DELIVERED, DONE, PENDING, Call
-from kvstrata.sim.disturbances import Disturbances, PurgeWatch, Stall, Swallowed
-from kvstrata.sim.engine import Copy, SimEngine
-from kvstrata.store.executors import InlineExecutor
-from kvstrata.sim.executors import JobQueue, SimExecutor
+from kvstrata._dev.sim import invariants
+from kvstrata._dev.sim.channel import DELIVERED, DONE, PENDING, Call
+from kvstrata._dev.sim.disturbances import Disturbances, PurgeWatch, Stall, Swallowed
+from kvstrata._dev.sim.engine import Copy, SimEngine
+from kvstrata._dev.executors import InlineExecutor
+from kvstrata._dev.sim.executors import JobQueue, SimExecutor
 from kvstrata.tiers.arena import Arena, SlotError
 from kvstrata.tiers.records import HEADER_BYTES
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstrata.faults import load
-from kvstrata.faults.context import SLOT, RowContext
-from kvstrata.faults.probes import directory_bytes, disk_tier_bytes, sample_process
+from kvstrata._dev.faults import load
+from kvstrata._dev.faults.context import SLOT, RowContext
+from kvstrata._dev.faults.probes import directory_bytes, disk_tier_bytes, sample_process
 
 WORKING_SET = 24  # prompts of ~10 chunks: 240 chunks, three times the arena
 PER_ROUND = 6
@@ -99,9 +99,9 @@ def levelling_problems(
 
 def run_soak(model: Path, minutes: float, seed: int = 0, on_sample: Callable[[SoakSample], None] | None = None) -> SoakResult:
     """Soak one engine with arena + disk for `minutes`; never raises past its own cleanup."""
-    from kvstrata.faults.harness import settle, take_store_down
-    from kvstrata.faults.rows import store_pid
-    from kvstrata.testing import make_llm, shutdown_llm
+    from kvstrata._dev.faults.harness import settle, take_store_down
+    from kvstrata._dev.faults.rows import store_pid
+    from kvstrata._dev.testing import make_llm, shutdown_llm
 
     ctx = RowContext.create("soak")
     result = SoakResult()

@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstrata.faults.harness import RowResult
-from kvstrata.faults.probes import directory_files
+from kvstrata._dev.faults.harness import RowResult
+from kvstrata._dev.faults.probes import directory_files
 
 NS = "fault-matrix-peers"
 SLOT = 64 * 1024
@@ -48,7 +48,7 @@ def run_multinode_rows(names: list[str]) -> list[RowResult]:
 
     from kvstrata.actors.cluster import directory_shard, down, up
     from kvstrata.config import load_config
-    from kvstrata.testing import ChunkProbe
+    from kvstrata._dev.testing import ChunkProbe
     from kvstrata.tiers.orphans import reclaim_orphans
 
     shm = Path(tempfile.mkdtemp(prefix="kvstrata-fault-peers-", dir="/dev/shm"))

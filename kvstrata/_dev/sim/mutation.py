@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent  # the `kvstrata` package the mutants are cut from
+PACKAGE = Path(__file__).resolve().parents[2]  # the `kvstrata` package the mutants are cut from (kvstrata/_dev/sim/)
 PER_SEED_EVENTS = 20_000
 CONTROL = "(unmutated)"
 
@@ -99,11 +99,11 @@ def find(finder: str) -> tuple[list[str], int]:
     logging.disable(logging.CRITICAL)
     kind, _, arg = finder.partition(":")
     if kind == "scenario":
-        scenarios = importlib.import_module("kvstrata.sim.scenarios").SCENARIOS
+        scenarios = importlib.import_module("kvstrata._dev.sim.scenarios").SCENARIOS
         return list(scenarios[arg]()), 0
     if kind != "random":
         raise ValueError(f"unknown finder {finder!r}")
-    explore = importlib.import_module("kvstrata.sim.explore")
+    explore = importlib.import_module("kvstrata._dev.sim.explore")
     budget, seed = _random_range(arg)
     events = 0
     while events < budget:

@@ -29,7 +29,7 @@ def set_session_env() -> None:
 @contextlib.contextmanager
 def fault_session(namespace: str, seed: int = 11) -> Iterator[Path]:
     """Yield the tiny model's directory with a fresh local Ray cluster running."""
-    from kvstrata.testing import build_tiny_llama, local_ray
+    from kvstrata._dev.testing import build_tiny_llama, local_ray
 
     set_session_env()
     with tempfile.TemporaryDirectory(prefix="kvstrata-fault-model-") as scratch:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvstrata.sim.channel import PENDING
-from kvstrata.sim.world import SimConfig, World
+from kvstrata._dev.sim.channel import PENDING
+from kvstrata._dev.sim.world import SimConfig, World
 
 logger = logging.getLogger(__name__)
 

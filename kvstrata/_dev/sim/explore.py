@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvstrata.sim.channel import DELIVERED, PENDING
-from kvstrata.sim.world import SimConfig, World
+from kvstrata._dev.sim.channel import DELIVERED, PENDING
+from kvstrata._dev.sim.world import SimConfig, World
 
 Action = tuple
 

@@ -8,7 +8,7 @@ Each simulated node is a raylet of a `ray.cluster_utils.Cluster` on loopback wit
 logical CPUs, and each replica takes two (its actor's and its engine's bundle, which
 Serve LLM merges), so Serve puts one replica on each node. The tier
 config should have a `cluster` section: each node's store then syncs with the directory
-(creating its shards), which is what a router reads. Like tests/e2e and kvstrata.testing,
+(creating its shards), which is what a router reads. Like tests/e2e and kvstrata._dev.testing,
 it stands outside the package's layers: a helper for tests, examples and benchmarks.
 
 Owns everything it starts and takes it down on exit, also on failure, by handle: Serve
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.actors.serve import NodeStoreCallback
-from kvstrata.testing import serve_engine_shared_memory, wait_until_serving
+from kvstrata._dev.testing import serve_engine_shared_memory, wait_until_serving
 
 CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 DEPLOYMENT = "LLMServer"
@@ -104,7 +104,7 @@ def llm_config(
                 },
             },
         },
-        callback_config={"callback_class": "kvstrata.simulated_serve:LocalModelCallback"},
+        callback_config={"callback_class": "kvstrata._dev.simulated_serve:LocalModelCallback"},
         placement_group_config={"bundles": [{"CPU": 1}]},
         deployment_config=deployment,
         runtime_env={"env_vars": {**CPU_ENV, "RAY_ADDRESS": ray_address, **(env or {})}},

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.faults import load
-from kvstrata.faults.context import RowContext
-from kvstrata.faults.probes import ProcessSample, directory_files, disk_tier_bytes, growth_problems, sample_process
-from kvstrata.faults.rows import (
+from kvstrata._dev.faults import load
+from kvstrata._dev.faults.context import RowContext
+from kvstrata._dev.faults.probes import ProcessSample, directory_files, disk_tier_bytes, growth_problems, sample_process
+from kvstrata._dev.faults.rows import (
     CONTROL_OF,
     CONTROLS,
     Fault,
@@ -93,7 +93,7 @@ class RowResult:
 
 def reference_tokens(model: Path, ctx_factory=RowContext.create) -> list[list[int]]:
     """The greedy tokens of every prompt, computed with kvstrata but nothing to load."""
-    from kvstrata.testing import make_llm, shutdown_llm
+    from kvstrata._dev.testing import make_llm, shutdown_llm
 
     ctx = ctx_factory("reference")
     llm = make_llm(model, ctx.arena_config())
@@ -176,7 +176,7 @@ def _start_victim(ctx: RowContext, model: Path, config: dict) -> subprocess.Pope
     script.write_text(victim_script(model, config))
     log = open(ctx.workdir / "victim.log", "wb")  # noqa: SIM115 - closed with the row's workdir
     # The script lives in the row's workdir: import this very kvstrata, wherever it is installed from.
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[3])  # the repository: kvstrata/_dev/faults/harness.py
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=log, start_new_session=True, cwd=os.getcwd(), env=env
@@ -196,7 +196,7 @@ def _start_victim(ctx: RowContext, model: Path, config: dict) -> subprocess.Pope
 def _kill_victim(ctx: RowContext) -> None:
     """SIGKILL the victim engine's whole process group, then remove the vLLM shared memory
     its processes mapped (their resource tracker died with them)."""
-    from kvstrata.testing import VLLM_SHM_PREFIXES, _unlink_unmapped, process_tree, shared_memory_of
+    from kvstrata._dev.testing import VLLM_SHM_PREFIXES, _unlink_unmapped, process_tree, shared_memory_of
 
     process: subprocess.Popen = ctx.state["victim"]
     mapped = {p for p in shared_memory_of(process_tree(process.pid)) if p.name.startswith(VLLM_SHM_PREFIXES)}
@@ -220,7 +220,7 @@ def run_row(
     `min_rounds`: keep running fault-free rounds after the hits are back until the row has
     run this many (per engine), to look for rare changed outputs.
     """
-    from kvstrata.testing import _unlink_unmapped, make_llm, shutdown_llm
+    from kvstrata._dev.testing import _unlink_unmapped, make_llm, shutdown_llm
 
     result = RowResult(fault.name, fault.summary)
     if control is not None and control.steady_hit is not None:
@@ -332,8 +332,8 @@ def _victim_gone(ctx: RowContext) -> bool:
 
 def run_rows(names: list[str], progress: Callable[[str], None] | None = None, min_rounds: int = 0) -> list[RowResult]:
     """Run the named single-node rows in one fault session (one model, one Ray cluster)."""
-    from kvstrata.faults.rows import by_name
-    from kvstrata.faults.session import fault_session
+    from kvstrata._dev.faults.rows import by_name
+    from kvstrata._dev.faults.session import fault_session
 
     results: list[RowResult] = []
     controls: dict[str, RowResult] = {}

@@ -7,7 +7,7 @@ executor resolved, and whether `cudaHostRegister` of a /dev/shm mapping (what a 
 does with the arena) works and how long it took. Every probe is best effort: a missing
 tool or a refusal is reported as such, never raised.
 
-    python -m kvstrata.gpucheck.environment [--out FILE]
+    python -m kvstrata._dev.gpucheck.environment [--out FILE]
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ once, in order per direction, successful and with its byte count, and that the a
 was registered without a failure. Mismatches are collected (not raised) so one run
 reports them all.
 
-    python -m kvstrata.gpucheck.harness [--device cuda|cpu] [--rounds N] [--out FILE]
+    python -m kvstrata._dev.gpucheck.harness [--device cuda|cpu] [--rounds N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from kvstrata.connector.copy_engine import CopyEngine
-from kvstrata.gpucheck.layouts import CPU_DIMS, GPU_DIMS, LAYOUTS, Dims, KVLayout, build
+from kvstrata._dev.gpucheck.layouts import CPU_DIMS, GPU_DIMS, LAYOUTS, Dims, KVLayout, build
 from kvstrata.tiers.arena import Arena, SlotPool
 
 HOLDER = "gpucheck"

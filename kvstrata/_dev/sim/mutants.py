@@ -9,7 +9,7 @@ scenario of scenarios.py, or random runs from seed 0 for at most that many event
 
 from __future__ import annotations
 
-from kvstrata.sim.mutation import Mutant
+from kvstrata._dev.sim.mutation import Mutant
 
 CONTROL = "kvstrata/store/control.py"
 ARENA = "kvstrata/tiers/arena.py"

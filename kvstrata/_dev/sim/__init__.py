@@ -9,7 +9,7 @@ classes run: `StrataManager` (through its channel seam), `NodeStore` with its ar
 and object tiers (through its executor and clock seams). After every event the invariants
 of `invariants.py` are checked; a failing run prints a replayable trace and shrinks it.
 
-Outside the layers (like `kvstrata.faults`): it drives the connector, the actors and the
+Outside the layers (like `kvstrata._dev.faults`): it drives the connector, the actors and the
 tiers from the outside. Modules: `executors` (background jobs as events), `channel` (control
 calls as events), `engine` (a vLLM scheduler and its workers over a manager), `world` (the
 store, the engines and every action), `invariants`, `explore` (random runs, replay,

@@ -40,9 +40,9 @@ from kvstrata.protocol import Registration, StepRequest
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager
 from kvstrata.connector.weight_updates import WeightGenerations
-from kvstrata.sim.channel import SimChannel
+from kvstrata._dev.sim.channel import SimChannel
 
-World = Any  # kvstrata.sim.world.World, which imports this module
+World = Any  # kvstrata._dev.sim.world.World, which imports this module
 
 HIT, MISS, RETRY, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY, LookupResult.HIT_PENDING
 

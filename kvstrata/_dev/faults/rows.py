@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstrata.faults import damage
-from kvstrata.faults.context import ARENA_ALL, BATCH_SMALL, SLOT, RowContext, can_mount
+from kvstrata._dev.faults import damage
+from kvstrata._dev.faults.context import ARENA_ALL, BATCH_SMALL, SLOT, RowContext, can_mount
 
 
 def _noop(ctx: RowContext) -> None:
@@ -33,7 +33,7 @@ class Fault:
     needs_s3: bool = False
 
     def skip_reason(self) -> str | None:
-        from kvstrata.s3_server import weed_binary
+        from kvstrata._dev.s3_server import weed_binary
 
         if self.needs_root and not can_mount():
             return "needs root to mount a small tmpfs"
@@ -221,8 +221,8 @@ def victim_script(model: Path, config: dict) -> str:
     return (
         "import json, os\n"
         "os.environ.setdefault('HF_HUB_OFFLINE', '1')\n"
-        "from kvstrata.faults.load import prompts, run_round\n"
-        "from kvstrata.testing import make_llm\n"
+        "from kvstrata._dev.faults.load import prompts, run_round\n"
+        "from kvstrata._dev.testing import make_llm\n"
         "if __name__ == '__main__':\n"
         f"    llm = make_llm({str(model)!r}, json.loads({json.dumps(config)!r}))\n"
         "    print('victim ready', flush=True)\n"

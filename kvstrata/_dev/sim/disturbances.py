@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.sim.engine import SimEngine
+from kvstrata._dev.sim.engine import SimEngine
 
 CROWD = "sim-crowd"  # the holder of `act_crowd`'s slots
 

@@ -70,8 +70,8 @@ class RowContext:
         self.mounts.remove(path)
 
     def start_s3(self) -> None:
-        from kvstrata.faults.proxy import FaultProxy
-        from kvstrata.s3_server import LocalS3Server
+        from kvstrata._dev.faults.proxy import FaultProxy
+        from kvstrata._dev.s3_server import LocalS3Server
 
         self.s3 = LocalS3Server(self.workdir / "seaweed").start(buckets=("kvstrata",))
         self.proxy = FaultProxy(self.s3.port)
