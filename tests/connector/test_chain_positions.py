@@ -4,6 +4,9 @@ whose position vLLM did not record is sent without one (the store then admits it
 
 from __future__ import annotations
 
+import pytest
+
+from kvstrata.connector.compat import ReqContext
 from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.config import load_config
 from kvstrata.connector.manager import StrataManager
@@ -12,6 +15,9 @@ from tests.connector.harness import SLOT, ctx, step
 from tests.utils import key, layout, store_config
 
 
+@pytest.mark.skipif(
+    not hasattr(ReqContext, "set_offload_key_position"), reason="vLLM < 0.32 records no chunk positions (compat.key_position)"
+)
 def test_commits_carry_their_positions_to_the_chain_admission(tmp_path):
     disk = {"path": str(tmp_path / "disk"), "capacity": 64 * (SLOT + HEADER_BYTES)}
     raw = store_config(tmp_path, capacity=16 * SLOT, reserve_slots=4, disk=disk)
