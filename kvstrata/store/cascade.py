@@ -7,10 +7,12 @@ tier's holder: `CASCADE` for disk, `UPLOAD` for the object store) until the copy
 A full queue drops the copy (counted), never blocks. With `admission.store: reuse` a tier
 gets only chunks used often enough (admission.py).
 
-Owns: the counts of copies in flight per tier (`_pending`) and the arena's eviction hook
-(`attach_write_back`).
+Owns: the copies in flight per tier (`_pending`, and `_in_flight` by namespace, generation
+and key) and the arena's eviction hook (`attach_write_back`).
 Invariants: every slot a copy pins is unpinned exactly once, by its job or at once when
-the copy is dropped; a job's unpin takes the store lock, so it comes after the pin taken
+the copy is dropped; a chunk is copied to a tier at most once at a time (a late copy of a
+chunk that became reused while its commit's copy is still queued is not a second write:
+found by CI on a loaded machine, 5 disk writes for 4 chunks); a job's unpin takes the store lock, so it comes after the pin taken
 when the eviction hook returns. Records OBJECT presence only for uploads that landed, and
 only if their namespace was not purged since they were queued; a copy queued before a
 purge writes nothing (purges.py). A namespace kept to its node (registration_check.py)
@@ -44,6 +46,7 @@ class Cascade:
         self._through = [tier for tier in tiers if tier.write_policy == "write_through"]
         self._back = [tier for tier in tiers if tier.write_policy == "write_back"]
         self._pending: dict[str, int] = {tier.name: 0 for tier in tiers}
+        self._in_flight: dict[str, set[tuple[str, int, bytes]]] = {tier.name: set() for tier in tiers}
         for tier in tiers:
             if tier.counter:
                 ctx.counters.setdefault(f"{tier.counter}_queued", 0)
@@ -95,12 +98,14 @@ class Cascade:
                 pool.unpin(tier.holder, [slot for _, slot in items])
             return 0
         counters = self._ctx.counters
+        generation = self._ctx.generations.current(namespace)
+        in_flight = self._in_flight[tier.name]
         held = tier.present(namespace, [key for key, _ in items])
         available = tier.available()
         accepted: Items = []
         for key, slot in items:
-            if key in held:
-                pass  # already there (another node, or an earlier life of this chunk, put it there)
+            if key in held or (namespace, generation, key) in in_flight:
+                pass  # already there (another node, or an earlier life of this chunk, put it there) or on its way
             elif not available or self._pending[tier.name] + len(accepted) >= tier.queue_depth:
                 counters[f"{tier.counter}_dropped"] += 1
             else:
@@ -110,16 +115,20 @@ class Cascade:
                 pool.unpin(tier.holder, [slot])
         if accepted:
             self._pending[tier.name] += len(accepted)
+            in_flight.update((namespace, generation, key) for key, _ in accepted)
             counters[f"{tier.counter}_queued"] += len(accepted)
-            generation = self._ctx.generations.current(namespace)
-            tier.submit_writes(namespace, pool, accepted, generation, partial(self._copied, tier, pool))
+            done = partial(self._copied, tier, namespace, generation, pool)
+            tier.submit_writes(namespace, pool, accepted, generation, done)
         return len(accepted)
 
-    def _copied(self, tier: LowerTier, pool: SlotPool, items: Items, ok: list[bool], seconds: float) -> None:
+    def _copied(
+        self, tier: LowerTier, namespace: str, generation: int, pool: SlotPool, items: Items, ok: list[bool], seconds: float
+    ) -> None:
         """A batch of copies ended, landed or not: its slots are let go."""
         landed = sum(ok)
         self._ctx.io_meter.record(tier.name, "write", landed * pool.geometry.slot_bytes, landed, seconds)
         with self._ctx.lock:
             self._pending[tier.name] -= len(items)
+            self._in_flight[tier.name].difference_update((namespace, generation, key) for key, _ in items)
             pool.unpin(tier.holder, [slot for _, slot in items])
             self._ctx.io_done.notify_all()
