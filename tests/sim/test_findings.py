@@ -1,5 +1,7 @@
 """Issue #37's findings 1, 2, 6 and 7 as fixed interleavings of the simulation
 (kvstrata/_dev/sim/scenarios.py): each keeps every invariant of kvstrata/_dev/sim/invariants.py.
+So do the interleavings of the protocol fixes random runs miss (scenarios_fixes.py), each
+of which violates its invariant with its fix reverted (`scripts/simulate.py --mutants`).
 
 Proof that they test something: each failed on commit 297d87f (the simulation before the
 protocol fixes) with the violation the issue describes, and passes from 7659a2b on:

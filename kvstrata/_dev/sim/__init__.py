@@ -14,6 +14,7 @@ tiers from the outside. Modules: `executors` (background jobs as events), `chann
 calls as events), `engine` (a vLLM scheduler and its workers over a manager), `world` (the
 store, the engines and every action), `invariants`, `explore` (random runs, replay,
 shrinking), `scenarios` (fixed interleavings that reproduce the findings of issues #37 and
-#51), `mutation` and `mutants` (the mutation check: every protocol fix reverted by one
-line, in a scratch copy, must be found).
+#51) and `scenarios_fixes` (those of the protocol fixes random runs miss), both written
+with `script`, `mutation` and `mutants` (the mutation check: every protocol fix reverted
+by one line, in a scratch copy, must be found).
 """

@@ -290,6 +290,8 @@ class SimEngine:
             for req in self.waiting:  # a new manager: its bound on waiting for a silent store starts again
                 req.waiting_since = None
             self.weights = current.namespace if current is not None else f"{self.holder}-misses-{self.resets}"
+        elif self.world.config.reset_weights:  # a plain engine's weights updated in place (world.py)
+            self.weights = f"{current.namespace}-reset{self.resets}"
 
     def pause(self, seconds: float) -> None:
         for copy in list(self.copies.values()):

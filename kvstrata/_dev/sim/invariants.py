@@ -2,8 +2,9 @@
 
 - *Bytes*: every HIT an engine answers (from its mirror or a pin) names a slot that holds
   exactly the key's bytes, and every load reads exactly the bytes of its keys
-  (`check_hit`, `check_load`). A key's bytes are a function of the key and the namespace's
-  generation (`World.expected`): every engine computes the same.
+  (`check_hit`, `check_load`). A key's bytes are a function of the key and the weights
+  that computed them (`World.expected`): the namespace's generation, which every engine
+  of it computes the same (and, in scenarios with `reset_weights`, a plain engine's resets).
 - *One owner*: a worker writes only into slots its engine holds reserved under its current
   registration, in the live store's arena, under the very reservation it was prepared in
   (each slot's reservations are numbered: `World.reservation_of`), and nothing writes a
@@ -59,7 +60,8 @@ def check_hit(world: World, engine: SimEngine, key: bytes) -> None:
         world.violation(f"{engine.holder}: HIT on {key_name(key)} with no pin")
         return
     view = world.view(manager._geometry.path_template, pin.slot)
-    if not _matches(view, world.expected(key, manager.namespace)):
+    # (engine.weights: the current manager's namespace, or after a plain reset with `reset_weights`)
+    if not _matches(view, world.expected(key, engine.weights)):
         world.violation(f"{engine.holder}: HIT on {key_name(key)} names slot {pin.slot}, which holds other bytes")
 
 

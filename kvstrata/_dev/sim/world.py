@@ -89,6 +89,13 @@ class SimConfig:
     hints: bool = False  # the store's hint calls (prefetch, pin, unpin, retain) as actions
     tenants: int = 1  # engines of 2 tenants (namespace prefixes) share the node
     anchors: bool = False  # a hybrid model: group 1 (sliding window) anchored on group 0
+    # A plain engine's connector reset is a weight update in place (its namespace stays):
+    # what it computes after has new bytes, so a HIT or load of a chunk from before its
+    # reset is wrong bytes. For directed scenarios of one engine only: another engine of the
+    # namespace still computes the old bytes, and a plain manager is not shown to promise it
+    # for a heartbeat answered between its reset and its purge's request (by reading the
+    # code: a promotion landing then comes back into the mirror; `WeightGenerations` does).
+    reset_weights: bool = False
 
 
 def config_from_json(fields: dict) -> SimConfig:
