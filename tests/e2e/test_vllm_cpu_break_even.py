@@ -4,7 +4,9 @@ this engine recomputing it. A fresh node store (an empty arena, as on another no
 serves round 2: the engine has no figure for the bucket yet, so its first prompts do not
 wait on it (#48): they recompute, and their chunks are promoted in the background, which
 measures the tier; from then on the engine recomputes without asking. A probed prompt
-asked again is a hit from the arena, bit-exact with vLLM's own prefix-cache hit.
+asked again is a hit from the arena, bit-exact with vLLM's own prefix-cache hit. (How
+many prompts are probed depends on when the store's estimate forms: one probe's batches
+may be enough, 27 Nov 2026; the test follows the store's promotion count, not a number.)
 
 Every prompt has round 1's tokens, and its logprobs to within float32 rounding (round
 1 ran in another engine, which computed everything). A prompt whose prefix was loaded is
@@ -52,12 +54,6 @@ def model(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("model") / "tiny", seed=7)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 48 item 1, open: rewritten for 'no wait on an unmeasured tier' and not yet green on the "
-    "2-core machine: in the `measured` run a probed prompt asked again was not an arena hit (0 of 384 tokens "
-    "cached), and under load both runs failed once; outputs stayed equal to round 1 in every run",
-)
 @pytest.mark.parametrize("rate", ["configured", "measured"])
 def test_a_slow_bucket_is_recomputed_not_loaded_and_outputs_stay_bit_exact(cluster, model, s3, rate):
     server, proxy = s3
@@ -104,20 +100,26 @@ def test_a_slow_bucket_is_recomputed_not_loaded_and_outputs_stay_bit_exact(clust
             engines = ray.get(store.stats.remote())["report"]["engines"]
             rates = [held["recompute_tokens_per_second"] for held in engines.values()]
             assert rates and all(rates), rates  # measured: break_even weighs loads from here on
-        round2, probed, own_cache = [], [], []
-        for i, prompt in enumerate(PROMPTS):
+        round2, probed, own_cache, probed_round1 = [], [], [], []
+        for prompt, cold in zip(PROMPTS, round1, strict=True):
+            promoted = ray.get(store.stats.remote())["object_promotions"]
             round2 += run_round(llm, [prompt])  # the bucket unmeasured, then slow: recomputed
             assert ray.get(store.wait_io.remote(120))  # a probe's promotion through the slow link
-            if i < 2:  # the two probes (an estimate needs two batches) left these in the arena
+            if ray.get(store.stats.remote())["object_promotions"] > promoted:
+                # Probed (while the bucket had no estimate): its chunks are in the arena now.
                 probed += run_round(llm, [prompt])
                 own_cache += run_round(llm, [prompt], reset=False)  # vLLM's own hit: the reference
+                probed_round1.append(cold)
         stats = ray.get(store.stats.remote())
     finally:
         shutdown_llm(llm)
         shutdown_node_store(get_node_store())  # the next test's engine starts its own, with its config
     cached = [result["cached_tokens"] for result in round2]
     assert not any(cached), cached  # no prompt waited on the bucket: unmeasured, then measured slow
-    for i, (result, cold) in enumerate(zip(round2 + probed, round1 + round1[:2], strict=True)):
+    # The first prompt is probed; once the store has an estimate (one probe's batches can
+    # give it), the bucket is known slow and the rest recompute without asking.
+    assert 1 <= len(probed) < len(PROMPTS), len(probed)
+    for i, (result, cold) in enumerate(zip(round2 + probed, round1 + probed_round1, strict=True)):
         # Against round 1 (another engine, which computed everything): the same tokens, and
         # logprobs within an ulp's rounding -- wrong KV bytes would be far off.
         assert result["token_ids"] == cold["token_ids"], (i, cached)
