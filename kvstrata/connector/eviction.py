@@ -6,9 +6,8 @@ records, per request, the chunks it hit or stored (`_note_used`), touches them t
 first when the request finishes (`_touch_tail_first`), and at the end of a step unpins
 the chunks no request or load holds (`_release_idle_pins`).
 
-Writes: `_req_used` (entries added), `_to_touch` (appended), `_pinned` (idle pins
-removed), `_maybe_idle` (emptied), `_out_unpin` (appended: one unpin per pin the store
-holds for a local pin, `Pin.grants`). Invariants: rule 1 -- a pin
+Writes: the fields in `WRITES` below (a test holds the list to the code); `_out_unpin`
+gets one unpin per pin the store holds for a local pin (`Pin.grants`). Invariants: rule 1 -- a pin
 some request still holds, or with a load in flight, is never released; nor one whose
 commit is not answered yet (`Pin.indexing`: released once the mirror has its slot); every
 pin that loses its last holder is in `_maybe_idle` by the next step; a pin of an older store
@@ -23,6 +22,13 @@ from __future__ import annotations
 from kvstrata.connector.compat import ReqContext, key_positions
 from kvstrata.connector.manager_state import ManagerState, UsedChunks
 from kvstrata.keys import key_group, key_hash
+
+
+# The state fields this part writes (manager_state.py declares them; tests/connector/
+# test_manager_walls.py holds this list to the code, both ways).
+WRITES = frozenset({
+    "_maybe_idle", "_out_unpin", "_pinned", "_req_used", "_to_hold", "_to_touch"
+})  # fmt: skip
 
 
 class EvictionOrder(ManagerState):

@@ -10,11 +10,10 @@ The scheduler thread applies what arrived at safe points: the first lookup of a 
 (`_open_pass`), completion callbacks and the end of a step (`_drain_inbox`); never
 between a `lookup` that said HIT and the `prepare_load` that follows it in one pass.
 
-Applying writes the mirror and its freshness (`_mirror`, `_resident`, `_view_as_of`,
-`_seq`), how long this engine can prove its lease (`_trusted_until`), what the store
-granted or refused (`_stock`, `_reserve_*`, `_pinned`, `_pin_waiters`, `_promoted`,
-`_to_pin`, `_to_hold`, `_req_keys`), operations to send again (`_out_unpin`), events,
-counters, and after a restart the epoch and geometry. Receiving writes only `_inbox`,
+Applying writes the mirror and its freshness, how long this engine can prove its lease,
+what the store granted or refused (stock, reservations, pins, promotions), operations to
+send again, events, counters, and after a restart the epoch and geometry: `WRITES` below
+lists every field (a test holds the list to the code). Receiving writes only `_inbox`,
 `_recv_seq` and `_pass_seq` (under `_handoff`, with `_pass_open`).
 
 Invariants: a reply to a request of an older epoch changes nothing but counters; a
@@ -50,6 +49,18 @@ MISSED_PRUNE_AT = 4096  # recent misses kept before the expired ones are dropped
 
 logger = logging.getLogger(__name__)
 NOBODY: frozenset[str] = frozenset()  # `Pin.promoted_for` where no request waited on a promotion
+
+
+# The state fields this part writes (manager_state.py declares them; tests/connector/
+# test_manager_walls.py holds this list to the code, both ways).
+WRITES = frozenset({
+    "_answered_step", "_counters", "_epoch", "_events", "_geometry", "_half_lease", "_inbox",
+    "_max_view_age", "_maybe_idle", "_mirror", "_missed_until", "_out_commit", "_out_release",
+    "_out_unpin", "_pass_open", "_pass_seq", "_pin_waiters", "_pinned", "_promoted", "_recv_seq",
+    "_reserve_cap", "_reserve_outstanding", "_reserve_target", "_reset_holds", "_reset_pins",
+    "_reset_releases", "_resident", "_round_trips", "_seq", "_silence_seconds", "_stock",
+    "_storing", "_thread_epoch", "_to_hold", "_to_pin", "_to_touch", "_trusted_until", "_view_as_of"
+})  # fmt: skip
 
 
 class ReplyInbox(ManagerState):

@@ -20,9 +20,9 @@ Where the parts live (`manager_state` explains the layering): the state in
 `manager_state`, vLLM's per-request calls in `pins`, the replies in `inbox`, the LRU
 touches and idle unpins in `eviction`, metric names and stats in `metrics`. This module
 owns the rest: registering with the store, the control channel, the step boundary and
-the request it sends, events, stats and shutdown. It writes the outgoing queues (handed
-over to the request), `_reserve_target` / `_reserve_outstanding`, `_store_demand` /
-`_store_dropped`, `_pass_open`, `_view_wanted`, `_last_submit` and `_events`.
+the request it sends, events, stats and shutdown. It writes the fields in `WRITES` below
+(a test holds the list to the code): chiefly the outgoing queues (handed over to the
+request), the stock's target, the step count and the control channel.
 
 Invariants: rule 2 -- the calls that block on the store are construction, `shutdown`
 and `wait_idle` (never used by vLLM); every step's request goes through the channel,
@@ -63,6 +63,16 @@ logger = logging.getLogger(__name__)
 IDLE_ACK_SECONDS = 0.2
 
 __all__ = ["COUNTER_NAMES", "GAUGE_NAMES", "MAX_RESERVE_TARGET", "ArenaSlotsSpec", "StrataManager", "metric_name"]
+
+
+# The state fields this part writes (manager_state.py declares them; tests/connector/
+# test_manager_walls.py holds this list to the code, both ways).
+WRITES = frozenset({
+    "_channel", "_events", "_hints", "_last_submit", "_nonce", "_out_commit", "_out_positions",
+    "_out_release", "_out_unpin", "_pass_seq", "_purge_requested", "_recv_seq",
+    "_reserve_outstanding", "_reserve_target", "_reset_steps_left", "_steps", "_store_demand",
+    "_store_dropped", "_thread_epoch", "_to_pin", "_to_touch", "_view_wanted"
+})  # fmt: skip
 
 
 class StrataManager(PinsAndSlots):

@@ -14,7 +14,8 @@ Why one state rather than objects owning parts of it: a reply changes the mirror
 pins, the stock and the outgoing queues together, a reset clears all of them, and a
 lookup reads all of them. Split, one transaction would span several objects and their
 consistency would rest on call order. Here every field is declared below, and each
-module's docstring says which fields it writes.
+part's module declares the fields it writes in `WRITES`, which
+tests/connector/test_manager_walls.py holds to the code (AST), both ways.
 
 Invariants every writer keeps:
 - rule 1: a HIT's bytes stay put until its load completes. HIT means "pinned for this
@@ -114,6 +115,9 @@ class ManagerState:
     _seq: int  # the store's change log position the mirror is at
     _thread_epoch: str  # the epoch the control thread registered for (control thread only)
     _channel: ControlChannel  # set by StrataManager once registered
+    # Set by StrataManager's constructor.
+    _hints: Any  # connector/hints.py's HintIntake: KV hints, bounded
+    _nonce: str  # this engine's own secret: a registration whose answer was lost is known as ours
 
     def __init__(
         self,

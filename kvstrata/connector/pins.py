@@ -18,11 +18,10 @@
 - `on_request_finished` drops a request's claims; `reset_cache` forgets everything of
   the namespace and asks the store to purge it.
 
-Writes: `_pinned` (loads, requests, pins of stored chunks), `_to_hold`, `_pin_waiters`, `_to_pin`,
-`_storing`, `_stock` (taken), `_store_demand` / `_store_dropped`, `_arrived`,
-`_store_wait_since`, `_pass_open` / `_trusted`, `_req_keys`, `_out_commit` /
-`_out_release`, `_reset_pins` / `_reset_releases`, and the mirror for chunks this
-engine stored or a reset cleared.
+Writes: the fields in `WRITES` below (a test holds the list to the code): chiefly the
+pins (loads, requests, pins of stored chunks), the stock, what is being stored, the
+outgoing commits and releases, what a reset keeps until vLLM flushed, and the mirror for
+chunks this engine stored or a reset cleared.
 
 Invariants: rule 1 -- a HIT means "pinned for this engine, or held by deferred reuse
 until its hold reaches the store", so its `prepare_load` cannot fail and its slot keeps
@@ -73,6 +72,17 @@ class ArenaSlotsSpec(BlockIDsLoadStoreSpec):
     def __init__(self, slots: list[int], geometry: PoolGeometry):
         super().__init__(slots)
         self.geometry = geometry
+
+
+# The state fields this part writes (manager_state.py declares them; tests/connector/
+# test_manager_walls.py holds this list to the code, both ways).
+WRITES = frozenset({
+    "_arrived", "_counters", "_events", "_maybe_idle", "_mirror", "_missed_until", "_out_commit",
+    "_out_positions", "_out_release", "_out_unpin", "_pin_waiters", "_pinned", "_purge_requested",
+    "_req_keys", "_req_used", "_reset_holds", "_reset_pins", "_reset_releases", "_reset_steps_left",
+    "_resets", "_resident", "_stock", "_store_demand", "_store_dropped", "_store_wait_since",
+    "_storing", "_to_hold", "_to_pin", "_to_touch", "_trusted", "_view_wanted"
+})  # fmt: skip
 
 
 class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
