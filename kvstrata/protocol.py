@@ -267,6 +267,9 @@ class StoreClient(Protocol):
     def prefetch_pending(self, namespace: str) -> int: ...
 
     # Operators: status and purges.
+    def ping(self) -> str:
+        """The store's epoch: it is up and has mapped its arena."""
+
     def stats(self) -> dict[str, object]: ...
 
     def stats_async(self) -> Awaitable[dict[str, object]]:

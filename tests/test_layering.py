@@ -226,3 +226,54 @@ def test_the_wheel_leaves_out_the_dev_harnesses_and_psutil():
     assert "kvstrata" in packages and "kvstrata.store" in packages
     assert not [name for name in packages if within(name, "kvstrata._dev")], packages
     assert not [dep for dep in project["project"]["dependencies"] if dep.split()[0].startswith("psutil")]
+
+
+STORE_HANDLE_MAKERS = {"get_node_store", "ensure_node_store"}
+
+
+def raw_store_calls(tree: ast.AST, store_only: set[str]) -> list[str]:
+    """`<handle>.<method>.remote(...)` calls on a node store's handle: a method only a store
+    has, or any method of a handle `get_node_store` / `ensure_node_store` just returned."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "remote"):
+            continue
+        method = node.func.value
+        if not isinstance(method, ast.Attribute):
+            continue
+        receiver = method.value
+        made_here = isinstance(receiver, ast.Call) and getattr(receiver.func, "id", None) in STORE_HANDLE_MAKERS
+        if method.attr in store_only or made_here:
+            found.append(f"line {node.lineno}: .{method.attr}.remote()")
+    return found
+
+
+def store_only_methods() -> set[str]:
+    from kvstrata.actors.directory import DirectoryShard
+    from kvstrata.actors.node_actor import NodeStoreActor
+    from kvstrata.actors.cluster import Reconciler
+    from kvstrata.routing.ledger import RoutingLedger
+
+    public = lambda cls: {name for name in dir(cls) if not name.startswith("_")}  # noqa: E731
+    return public(NodeStoreActor) - public(DirectoryShard) - public(Reconciler) - public(RoutingLedger)
+
+
+def test_only_the_store_client_calls_a_store_handle():
+    """Issue 46 item 1: engines, routers, the CLI, Serve's callback, `up` and peers reach a
+    store through `RayStoreClient` (its timeouts and its errors), never a raw `.remote`."""
+    store_only = store_only_methods()
+    assert {"step", "register", "export_chunks", "prefetch"} <= store_only
+    offenders = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        if name in ("kvstrata.actors.store_client", "kvstrata.actors.client") or name.startswith(OUTSIDE_LAYERS):
+            continue
+        calls = raw_store_calls(ast.parse(path.read_text()), store_only)
+        if calls:
+            offenders[name] = calls
+    assert not offenders, offenders
+
+
+def test_the_raw_store_call_check_sees_both_forms():
+    source = "get_node_store(node).ping.remote()\nstore.export_chunks.remote(ns, keys)\nshard.stats.remote()\n"
+    assert len(raw_store_calls(ast.parse(source), {"export_chunks"})) == 2

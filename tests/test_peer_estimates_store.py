@@ -16,6 +16,7 @@ import ray
 from rich.console import Console
 
 from kvstrata.actors.directory import holder_label
+from kvstrata.actors.store_client import RayStoreClient
 from kvstrata.store.node_store import NodeStore
 from kvstrata.actors.peers import PeerSync
 from kvstrata.store.promotion import PROMOTE
@@ -74,7 +75,7 @@ def cluster(tmp_path, monkeypatch):
     store.register("engine", NS, SLOT)
     data = {key(i): np.random.default_rng(i).integers(0, 256, SLOT, dtype=np.uint8) for i in range(40)}
     peers = {node: FakePeer(node, data, timer) for node in LINKS}
-    store.peers._stores.update(peers)
+    store.peers._stores.update({node: RayStoreClient(peer, 30.0) for node, peer in peers.items()})  # peers' clients
     yield store, peers, data
     store.peers = None  # its sync thread never ran
     store.close()

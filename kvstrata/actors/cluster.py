@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any
 
-from kvstrata.actors.client import StoreUnavailable, ensure_node_store, get_node_store, shutdown_node_store
+from kvstrata.actors.client import RayStoreClient, StoreUnavailable, ensure_node_store, get_node_store, shutdown_node_store
 from kvstrata.actors.directory import directory_actor_name, directory_shard
 from kvstrata.actors.options import STORE_NAMESPACE, service_actor_options
 from kvstrata.actors.secrets import stash_secrets
@@ -104,7 +104,7 @@ def up(config: KvstrataConfig) -> dict[str, Any]:
     reconciler = ray.remote(Reconciler).options(**options).remote(stash_secrets(config))
     ray.get(reconciler.reconcile.remote(), timeout=120)  # stores now, not one period from now
     nodes = store_nodes(config.cluster)
-    epochs = ray.get([get_node_store(node).ping.remote() for node in nodes], timeout=120)
+    epochs = [RayStoreClient(get_node_store(node), timeout_s=120).ping() for node in nodes]
     return {"nodes": nodes, "store_epochs": epochs, "directory_shards": len(shards)}
 
 

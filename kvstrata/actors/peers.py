@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstrata.actors.directory import PUBLISHED, TIERS, shard_of, split_holder
 from kvstrata.actors.options import STORE_NAMESPACE, store_actor_name
+from kvstrata.actors.store_client import RayStoreClient
 from kvstrata.config import ClusterConfig
 from kvstrata.keys import key_name
 from kvstrata.tiers.changelog import CPU, PEER
@@ -285,7 +286,7 @@ class PeerSync:
                 try:
                     store = self._store(node_id)
                     sent.setdefault(node_id, self._timer())
-                    ref = store.export_chunks.remote(namespace, [items[i][0] for i in batch])
+                    ref = store.export_chunks_async(namespace, [items[i][0] for i in batch])
                 except Exception as exc:  # noqa: BLE001 - no such peer store (any more)
                     self._fetch_failed(node_id, len(batch), exc)
                     continue
@@ -359,15 +360,17 @@ class PeerSync:
         )
 
     def _store(self, node_id: str) -> Any:
+        """The client of a peer's store (`RayStoreClient`: the only code that calls a store handle)."""
         with self._lock:
-            handle = self._stores.get(node_id)
-        if handle is None:
+            client = self._stores.get(node_id)
+        if client is None:
             import ray
 
             handle = ray.get_actor(store_actor_name(node_id), namespace=STORE_NAMESPACE)
+            client = RayStoreClient(handle, self.config.call_timeout_seconds)
             with self._lock:
-                self._stores[node_id] = handle
-        return handle
+                self._stores[node_id] = client
+        return client
 
 
 def _in_arrival_order(refs: list[Any], deadline: float) -> Iterator[int]:

@@ -33,7 +33,7 @@ from typing import Any
 
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
-from kvstrata.actors.client import current_node_id, ensure_node_store
+from kvstrata.actors.client import RayStoreClient, current_node_id, ensure_node_store
 from kvstrata.actors.options import in_ray_actor
 from kvstrata.config import load_config
 
@@ -71,10 +71,11 @@ class NodeStoreCallback(CallbackBase):
         if in_ray_actor():  # the replica: its engine, started after this, inherits it
             os.environ.setdefault("KVSTRATA_NODE_ID", current_node_id())
         nodes = placement_group_nodes(self.ctx.placement_group) or [current_node_id()]
-        stores = [ensure_node_store(config, node) for node in nodes]
+        timeout_s = config.engine.control_timeout_seconds * 3  # a new store maps its arena first
+        stores = [RayStoreClient(ensure_node_store(config, node), timeout_s) for node in nodes]
         epochs = await asyncio.wait_for(
-            asyncio.gather(*(store.ping.remote() for store in stores)),
-            timeout=config.engine.control_timeout_seconds * 3,  # a new store maps its arena first
+            asyncio.gather(*(store.ping_async() for store in stores)),
+            timeout=timeout_s,
         )
         logger.info(
             "kvstrata: node stores ready on %d node(s) of this replica (epochs %s)", len(nodes), ", ".join(epochs)

@@ -69,6 +69,9 @@ class LocalStoreClient:
     def prefetch_pending(self, namespace: str) -> int:
         return self.store.prefetch_pending(namespace)
 
+    def ping(self) -> str:
+        return self.store.ping()
+
     def stats(self) -> dict[str, object]:
         return self.store.stats()
 

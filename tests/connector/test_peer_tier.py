@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import ray
 
+from kvstrata.actors.store_client import RayStoreClient
 from kvstrata.actors.directory import holder_label
 from kvstrata.store.node_store import LocalStoreClient, NodeStore
 from kvstrata.actors.peers import PeerSync
@@ -79,7 +80,7 @@ def held_elsewhere(store, manager, peer_store, chunks, **peer):
         pool.view(slot)[:] = data
     peer_store.step(StepRequest("peer-engine", namespace, epoch=epoch, commit=list(zip(slots, chunks))))
     handle = InProcessPeer(peer_store, **peer)
-    store.peers._stores[PEER_NODE] = handle
+    store.peers._stores[PEER_NODE] = RayStoreClient(handle, 30.0)  # how peers reach a store
     changes = [(k, holder_label(PEER_NODE, CPU), True) for k in chunks]
     store.peers._apply(0, "directory-epoch", {namespace: (len(changes), changes, False)}, dict(store.ctx.logs))
     step(manager)
