@@ -34,7 +34,7 @@ def test_the_walks_pass_through_each_layer():
     for needed in (
         "kvstrata/connector/pins.py",  # StrataManager.lookup
         "kvstrata/protocol.py",
-        "kvstrata/actors/client.py",
+        "kvstrata/actors/store_client.py",
         "kvstrata/store/control.py",
         "kvstrata/store/promotion.py",
         "kvstrata/tiers/base.py",
