@@ -54,7 +54,9 @@ def config_for(seed: int, purge_and_disk_races: bool = True, reach: bool = True)
         purge_and_disk_races=purge_and_disk_races,
     )
     if reach:  # (drawn last: the draws above stay each seed's own)
-        config = replace(config, tenants=rng.choice((1, 2)), anchors=rng.random() < 0.4)
+        config = replace(
+            config, tenants=rng.choice((1, 2)), anchors=rng.random() < 0.4, disk_admission=rng.choice(("chain", "always"))
+        )
     return config
 
 

@@ -66,7 +66,8 @@ class HintActions:
 
     def act_hint(self, e: int, kind: int, p: int, arg: int) -> bool:
         """A request of prompt `p` arrives at engine `e` with KV hints about its own prompt
-        (and, one time in seven, more actions than a request may carry, about the next prompts):
+        (and, one time in seven, more actions than a request may carry, about the next prompts,
+        whole or their first position):
         prefetch with a lease, pin, unpin or retain; numbers drawn from `arg`, sometimes
         out of every bound (a lease of 10**400 seconds)."""
         if not self.config.hints:
@@ -75,12 +76,14 @@ class HintActions:
         if engine is None or len(engine.waiting) >= 6:
             return False
         count = 4 if arg % 7 == 0 else 1
-        actions = [self._hint_action(kind + i, p + i, arg >> i, i) for i in range(count)]
+        whole = (arg >> 3) & 1  # the further actions name whole prompts (many hashes), or one position each
+        actions = [self._hint_action(kind + i, p + i, arg >> i, i, i == 0 or whole) for i in range(count)]
         engine.arrive(self.prompts[p % len(self.prompts)], {"kv_hints": {"protocol_version": 1, "actions": actions}})
         return True
 
-    def _hint_action(self, kind: int, p: int, arg: int, n: int) -> dict:
-        payload: dict[str, Any] = {"block_hashes": self.block_hashes(p), "cache_salt": SALTS[arg % 3]}
+    def _hint_action(self, kind: int, p: int, arg: int, n: int, whole: bool) -> dict:
+        hashes = self.block_hashes(p)
+        payload: dict[str, Any] = {"block_hashes": hashes if whole else hashes[:1], "cache_salt": SALTS[arg % 3]}
         action_type = ("kv.prefetch", "pin", "unpin", "kv.retain")[kind % 4]
         if action_type == "kv.prefetch":
             payload["lease_seconds"] = HUGE if arg % 13 == 0 else LEASES[(arg >> 2) % 4]

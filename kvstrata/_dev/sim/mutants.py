@@ -201,7 +201,7 @@ MUTANTS += [
         "candidates = (record for record in slab.policy.candidates() if record in slab.key_of and record not in slab.busy)",
         "candidates = (record for record in slab.policy.candidates() if record not in slab.busy)",
         "6141956: a batch needing several evictions never takes a dependent its anchor dropped (#51 finding 12)",
-        "random:20000",
+        "scenario:hybrid-disk-batch-evicts-several",
     ),
 ]
 

@@ -45,7 +45,7 @@ NAMESPACE_MODEL = "sim-model"
 HINT_LIMITS = {"prefetch": {
     "pin_sources": ["operator", "request"], "pin_share": 0.25, "max_share": 0.25, "lease_seconds": 2.0,
     "max_lease_seconds": 3.0, "max_deadline_seconds": 1.0, "max_retain_seconds": 6.0, "max_retained_chunks": 24,
-    "retain_share": 0.5, "hint_max_actions": 3, "hint_max_tokens": 12,
+    "retain_share": 0.5, "hint_max_actions": 3, "hint_max_tokens": 10,
 }}  # fmt: skip
 
 
@@ -97,6 +97,9 @@ class SimConfig:
     hints: bool = False  # the store's hint calls (prefetch, pin, unpin, retain) as actions
     tenants: int = 1  # engines of 2 tenants (namespace prefixes) share the node
     anchors: bool = False  # a hybrid model: group 1 (sliding window) anchored on group 0
+    # admission.store.disk: chain (the default) keeps a reuse sketch, which orders the disk's
+    # evictions too; always keeps none (the disk's plain eviction order)
+    disk_admission: str = "chain"
     # A plain engine's connector reset is a weight update in place (its namespace stays):
     # what it computes after has new bytes, so a HIT or load of a chunk from before its
     # reset is wrong bytes. For directed scenarios of one engine only: another engine of the
@@ -190,7 +193,7 @@ class World(HintActions, Disturbances):
             "engine": {"lease_seconds": c.lease_seconds, "reserve_slots": c.reserve_slots,
                        "control_timeout_seconds": c.control_timeout_seconds, "refresh_seconds": 0.05,
                        "max_view_age_seconds": 0.1, "lookup_wait_seconds": 2.0},
-            "admission": {"load": "always"},
+            "admission": {"load": "always", "store": {"disk": c.disk_admission}},
             **(HINT_LIMITS if c.hints else {}),
             **({"quotas": {"t1": {"cpu": c.arena_slots * SLOT // 2}}} if c.tenants > 1 else {}),
         }  # fmt: skip
