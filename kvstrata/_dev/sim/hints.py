@@ -23,7 +23,8 @@ What must hold (`check_hints`, after every event, and at each hint call):
   `hint_max_tokens` keys (the engine's bounds, checked before any hashing);
 - a hint never raises into vLLM (an exception out of `on_new_request`: `World.apply`);
 - the arena evicts a retained chunk only when none of a lower priority could go
-  (`watch_evictions`).
+  (`watch_evictions`);
+- a purge of one namespace leaves every other namespace's pins and retentions as they were.
 
 Owns: the queued hint calls' delivery and the checks above; the world (world.py) mixes it in.
 """
@@ -156,12 +157,22 @@ class HintActions:
 
     def act_purge_tenant(self, t: int) -> bool:
         """`kvstrata purge --namespace` of one tenant's namespace while its engines serve it:
-        its holds, pins and retentions go; the other tenant's stay."""
+        its holds, pins and retentions go; every other namespace's stay (checked)."""
         namespace = self.namespaces[t % len(self.namespaces)]
+        before = self._others(namespace)
         self.store.purge(namespace)
+        if self._others(namespace) != before:
+            self.violation(f"a purge of {namespace[:8]} changed other namespaces' pins or retentions")
         self.served_at = self.clock()
         self.purges.append(PurgeWatch(namespace, set(self.jobs.pending)))
         return True
+
+    def _others(self, namespace: str) -> tuple[dict, dict]:
+        """Every other namespace's pins (by owner) and retentions."""
+        store = self.store
+        pins = {ns: pins_by_owner(store, ns) for ns in store.prefetcher._held if ns != namespace}
+        retained = {name: entry for name, entry in store.hints._retention._entries.items() if name[0] != namespace}
+        return {ns: owners for ns, owners in pins.items() if owners}, retained
 
     def _check_unpins(self, namespace: str, before: dict[str, set[bytes]], unpinning: set[str], who: str) -> None:
         after = pins_by_owner(self.store, namespace)
