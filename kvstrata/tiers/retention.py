@@ -81,7 +81,6 @@ class RetentionTable:
         self.tenant_entries = int(max_entries * tenant_share)  # one tenant's most
         self._entries: dict[Name, tuple[int, float]] = {}
         self._by_namespace: dict[str, int] = {}  # namespace -> live entries (a fast "none here")
-        self._by_tenant: dict[str, int] = {}
         self._expiries: list[tuple[float, str, bytes]] = []  # heap: forget expired entries in order
         # (namespace, keys) -> None, after their retention changed; outside the lock.
         self.listeners: list[Callable[[str, list[bytes]], None]] = []
@@ -100,15 +99,16 @@ class RetentionTable:
             until = self._clock() + ttl_seconds
             refused = 0
             tenant = self._tenant_of(namespace)
+            held = self._held_by(tenant)
             for key in keys:
                 name = (namespace, key)
                 known = self._entries.get(name)
                 if known is None:
-                    if len(self._entries) >= self.max_entries or self._by_tenant.get(tenant, 0) >= self.tenant_entries:
+                    if len(self._entries) >= self.max_entries or held >= self.tenant_entries:
                         refused += 1
                         continue
+                    held += 1
                     self._by_namespace[namespace] = self._by_namespace.get(namespace, 0) + 1
-                    self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
                     entry = (priority, until)
                 else:
                     entry = (max(priority, known[0]), max(until, known[1]))
@@ -137,11 +137,6 @@ class RetentionTable:
             if count:
                 gone = [key for (ns, key) in self._entries if ns == namespace]
                 self._entries = {name: entry for name, entry in self._entries.items() if name[0] != namespace}
-                tenant = self._tenant_of(namespace)
-                left = self._by_tenant.get(tenant, 0) - len(gone)
-                self._by_tenant[tenant] = left
-                if left <= 0:
-                    self._by_tenant.pop(tenant, None)
         if count:
             self._tell(namespace, gone)
 
@@ -156,7 +151,13 @@ class RetentionTable:
     def tenant_count(self, namespace: str) -> int:
         """Entries held by the tenant of `namespace`."""
         with self._lock:
-            return self._by_tenant.get(self._tenant_of(namespace), 0)
+            return self._held_by(self._tenant_of(namespace))
+
+    def _held_by(self, tenant: str | None) -> int:
+        """Entries of the tenant's namespaces, each namespace counted as the tenant's now: a store
+        learns a namespace's tenant at its first registration, and retentions that reached it
+        before (a restarted store) count in that tenant's share from then on (callers hold the lock)."""
+        return sum(count for namespace, count in self._by_namespace.items() if self._tenant_of(namespace) == tenant)
 
     def priority(self, namespace: str, key: bytes) -> int:
         """The live priority of a chunk: 0 when not retained or expired."""
@@ -201,12 +202,6 @@ class RetentionTable:
             self._by_namespace[namespace] = left
         else:
             self._by_namespace.pop(namespace, None)
-        tenant = self._tenant_of(namespace)
-        left = self._by_tenant.get(tenant, 0) - 1
-        if left > 0:
-            self._by_tenant[tenant] = left
-        else:
-            self._by_tenant.pop(tenant, None)
 
     def _tell(self, namespace: str, keys: list[bytes]) -> None:
         if keys:

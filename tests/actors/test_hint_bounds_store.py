@@ -139,3 +139,17 @@ def test_one_tenant_cannot_fill_the_retention_table_for_the_others(store):
     assert flood[0]["retained"] == 50 and flood[0]["refused_full"] == 50  # its own share, no more
     theirs = node.retain(spaces["b"], [key(i) for i in range(30)], 50, 60)
     assert theirs["retained"] == 30 and theirs["refused_full"] == 0
+
+
+def test_retentions_made_before_a_namespace_tenant_is_known_count_in_its_share(store):
+    """Found by the simulation (kvstrata/_dev/sim/hints.py): a store learns a namespace's
+    tenant at its first registration, so retentions that reach it before (a restarted
+    store, hints arriving before the engine registered again) were counted under no
+    tenant, and the tenant then got a whole share more on top."""
+    node, _ = store(prefetch={"max_retained_chunks": 100, "retain_share": 0.5})
+    lay = layout(prefix="a")
+    early = node.retain(lay.namespace, [key(i) for i in range(40)], 50, 60)  # no engine registered yet
+    node.register("engine-a", lay.namespace, SLOT, lay.describe())
+    late = node.retain(lay.namespace, [key(100 + i) for i in range(40)], 50, 60)
+    assert early["retained"] + late["retained"] == 50  # the tenant's share, no more
+    assert len(node.hints._retention) == 50

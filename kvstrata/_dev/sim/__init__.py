@@ -12,9 +12,11 @@ of `invariants.py` are checked; a failing run prints a replayable trace and shri
 Outside the layers (like `kvstrata._dev.faults`): it drives the connector, the actors and the
 tiers from the outside. Modules: `executors` (background jobs as events), `channel` (control
 calls as events), `engine` (a vLLM scheduler and its workers over a manager), `world` (the
-store, the engines and every action), `invariants`, `explore` (random runs, replay,
-shrinking), `scenarios` (fixed interleavings that reproduce the findings of issues #37 and
-#51) and `scenarios_fixes` (those of the protocol fixes random runs miss), both written
-with `script`, `mutation` and `mutants` (the mutation check: every protocol fix reverted
-by one line, in a scratch copy, must be found).
+store, the engines and every action), `disturbances` and `hints` (a request's KV hints
+through the connector, an operator's prefetch and pins, purges of one tenant; their
+checks), `invariants`, `explore` (random runs, replay, shrinking), `scenarios` (fixed
+interleavings that reproduce the findings of issues #37 and #51), `scenarios_fixes` and
+`scenarios_hints` (those of the fixes random runs miss), written with `script`,
+`mutation` and `mutants` (the mutation check: every protocol fix reverted by one line,
+in a scratch copy, must be found).
 """

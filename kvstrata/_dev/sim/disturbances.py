@@ -1,6 +1,6 @@
 """What disturbs a simulated node, as actions of its world (a mixin of `World`): engines
 that pause, crash, reset (and, under `WeightGenerations`, retire old generations), a
-request preempted, a store copy that fails, hints from outside, weight updates, store
+request preempted, a store copy that fails, weight updates, store
 stalls and restarts, another node's burst, a lost registration answer; and `Swallowed`,
 which tells a background job that logged and swallowed an exception.
 
@@ -122,25 +122,6 @@ class Disturbances:
         engine = self._engine(e)
         return engine is not None and engine.fail_copy(r)
 
-    def act_hint(self, e: int, kind: int, p: int, arg: int) -> bool:
-        """A hint reaches the store for an engine's namespace (a request's `kv_hints`, a
-        router's prefetch, `kvstrata warm`): prefetch with a lease, pin, unpin or retain
-        a prompt's chunks. Answers are advice: nothing here may fail or hand out bytes."""
-        if not self.config.hints:
-            return False
-        engine = self._engine(e)
-        current = engine.current if engine is not None else None
-        if current is None:
-            return False
-        keys = self.prompts[p % len(self.prompts)]
-        action = ({"action": "kv.prefetch", "keys": keys, "lease_seconds": (0.5, 2.0, 6.0)[arg % 3]},
-                  {"action": "pin", "keys": keys}, {"action": "unpin", "keys": keys},
-                  {"action": "kv.retain", "keys": keys, "priority": 1 + arg % 100, "ttl_seconds": 1.0 + arg % 9})[kind % 4]
-        outcomes = self.store.apply_hints(current.namespace, [action])
-        if outcomes and not outcomes[0].get("ok", False):
-            self.violation(f"hint {action['action']} of {engine.holder} refused: {outcomes[0].get('error')}")
-        return True  # (a hint call ends no lease: `served_at` stays)
-
     def act_reset(self, e: int) -> bool:
         engine = self._engine(e)
         if engine is None:
@@ -163,12 +144,13 @@ class Disturbances:
                 for call in self.calls.values():
                     if call.engine == engine.index:
                         call.awaited = False
-        old = self.namespace
+        old = self.namespaces
         self.generation += 1
         self._set_layout()
-        self.store.purge(old)
+        for namespace in old:  # (each tenant's)
+            self.store.purge(namespace)
+            self.purges.append(PurgeWatch(namespace, set(self.jobs.pending)))
         self.served_at = self.clock()
-        self.purges.append(PurgeWatch(old, set(self.jobs.pending)))
         self.engines = [self._start_engine(i) for i in range(len(self.engines))]
         return True
 

@@ -115,6 +115,11 @@ class SimClient:
     def release_holder(self, holder: str, epoch: str) -> None:
         self.world.store.release_holder(holder, epoch)
 
+    def apply_hints(self, namespace: str, actions) -> None:
+        """The connector's KV hints (connector/hints.py), an asynchronous call in production:
+        queued here, applied by the store at a later event (`World.act_hints`)."""
+        self.world.send_hints(self.engine, namespace, list(actions))
+
 
 class _RetireThread:
     """`WeightGenerations` retires an old generation on a thread; in the simulation the
@@ -180,7 +185,7 @@ class SimEngine:
         self.client = SimClient(self.world, self)
         self.channels: list[SimChannel] = []
         self.strata: list[StrataManager] = []  # every manager (generation) this engine built, oldest first
-        first = self._start(self.world.layout, self.holder)
+        first = self._start(self.world.layout_for(self.index), self.holder)
         self.manager = WeightGenerations(first, self._start_generation) if self.generations else first
         self.weights = first.namespace
 
@@ -191,13 +196,15 @@ class SimEngine:
             async_scheduling=self.async_scheduling,
         )  # fmt: skip
         manager._reset_flush_signal = self.flush_signal  # which vLLM's call order this engine follows
+        world.note_namespace(manager.namespace, self.index)
         self.strata.append(manager)
         world.watch_pools()
         return manager
 
     def _start_generation(self, generation: int) -> StrataManager:
         """As spec.py's: the namespace of the updated identity, unique to this engine process."""
-        layout = dataclasses.replace(self.world.layout, model=f"{self.world.layout.model}-{self.holder}-g{generation}")
+        layout = self.world.layout_for(self.index)
+        layout = dataclasses.replace(layout, model=f"{layout.model}-{self.holder}-g{generation}")
         return self._start(layout, f"{self.holder}-g{generation}")
 
     def _channel(self, **kwargs) -> SimChannel:
@@ -236,10 +243,11 @@ class SimEngine:
 
     # --- what the world asks of it ------------------------------------------------------------
 
-    def arrive(self, keys: list[bytes]) -> None:
+    def arrive(self, keys: list[bytes], params: dict | None = None) -> None:
+        """A request arrives (`params`: its `kv_transfer_params`, e.g. KV hints from its HTTP client)."""
         self.requests_made += 1
         req = Request(f"e{self.index}-{self.holder[-2:]}-r{self.requests_made}", keys, ReqContext(req_id=""), self.step_no)
-        req.ctx = ReqContext(req_id=req.id)
+        req.ctx = ReqContext(req_id=req.id, kv_transfer_params=params)
         with self.calls_in():
             self.manager.on_new_request(req.ctx)
         self.waiting.append(req)

@@ -30,7 +30,7 @@ Action = tuple
 def config_for(seed: int, purge_and_disk_races: bool = True, reach: bool = True) -> SimConfig:
     """The world a seed runs: 1-3 engines, write policies, arena and disk sizes, reset orders;
     with `reach` (issue #51) also which engines are `WeightGenerations` and schedule
-    asynchronously, late copies, and hints."""
+    asynchronously, late copies, hints, two tenants and a hybrid model (anchor groups)."""
     rng = random.Random(f"config-{seed}")
     engines = rng.choice((1, 2, 2, 3))
     extra = {}
@@ -43,7 +43,7 @@ def config_for(seed: int, purge_and_disk_races: bool = True, reach: bool = True)
             copy_seconds=1.5 if late else 0.25,  # within half a lease (2 s) of the engine's last answer
             hints=rng.random() < 0.7,
         )
-    return SimConfig(**extra,
+    config = SimConfig(**extra,
         engines=engines,
         arena_slots=rng.choice((16, 24, 32)),
         disk_records=rng.choice((16, 32)),
@@ -53,6 +53,11 @@ def config_for(seed: int, purge_and_disk_races: bool = True, reach: bool = True)
         flush_signal=tuple(rng.random() < 0.5 for _ in range(engines)),
         purge_and_disk_races=purge_and_disk_races,
     )
+    if reach:  # (drawn last: the draws above stay each seed's own)
+        config = replace(
+            config, tenants=rng.choice((1, 2)), anchors=rng.random() < 0.4, disk_admission=rng.choice(("chain", "always"))
+        )
+    return config
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Explorer:
                 options.append((0.3, lambda e=e: ("preempt", e, rng.randrange(1 << 16))))
             if world.config.hints:
                 options.append((1.0, lambda e=e: ("hint", e, rng.randrange(4), rng.randrange(len(world.prompts)), rng.randrange(1 << 10))))
+                options.append((0.4, lambda e=e: ("warm", e, rng.randrange(4), rng.randrange(len(world.prompts)), rng.randrange(1 << 10))))
             options.append((0.04, lambda e=e: ("pause", e, rng.choice((300, 1500, 3000, 6000, 9000)))))
             options.append((0.02, lambda e=e: ("crash", e)))
             options.append((0.08, lambda e=e: ("reset", e)))
@@ -106,6 +112,10 @@ class Explorer:
                 duplicable.add(e)
         for e in duplicable:
             options.append((0.2, lambda e=e: ("duplicate", e, rng.randrange(1 << 16))))
+        if world.hint_calls:
+            options.append((4.0, lambda: ("hints",)))
+        if world.config.hints:
+            options.append((0.03, lambda: ("purge_tenant", rng.randrange(2))))
         if world.jobs.pending:
             options.append((2.0 + len(world.jobs.pending), lambda: ("job", rng.randrange(1 << 16))))
         options.append((6.0, lambda: ("tick", rng.choice((1, 2, 5, 10, 20, 50)))))

@@ -40,6 +40,7 @@ from kvstrata.store.cascade import CASCADE, UPLOAD
 from kvstrata.store.control import STALL_SECONDS
 from kvstrata.store.promotion import PROMOTE
 from kvstrata.keys import key_name
+from kvstrata._dev.sim.hints import check_hints
 
 # The world (world.py) and its engines (engine.py) import this module: named, not imported.
 World = SimEngine = Copy = Request = Any
@@ -217,7 +218,7 @@ def check_purges(world: World) -> None:
     unsettled = {watch.namespace for watch in world.purges}
     store = world.store
     for namespace in {watch.namespace for watch in settled} - unsettled:
-        if namespace == world.namespace:
+        if namespace in world.namespaces:
             continue  # an engine's reset purged the namespace it still serves: new chunks are its own
         pool = store.arena.pools.get(namespace)
         left = {"arena": len(pool) if pool is not None else 0}
@@ -232,5 +233,6 @@ def check_purges(world: World) -> None:
 
 def check_world(world: World) -> None:
     check_holdings(world)
+    check_hints(world)
     check_disk(world)
     check_purges(world)

@@ -17,6 +17,7 @@ PINS = "kvstrata/connector/pins.py"
 INBOX = "kvstrata/connector/inbox.py"
 MANAGER = "kvstrata/connector/manager.py"
 GENERATIONS = "kvstrata/connector/weight_updates.py"
+PREFETCH = "kvstrata/store/prefetch.py"
 
 MUTANTS: list[Mutant] = [
     # --- issue #37, the control protocol (7659a2b) -----------------------------------------
@@ -127,6 +128,80 @@ MUTANTS: list[Mutant] = [
         "self._out_release.extend(self._storing.values())",
         "7659a2b: stores in flight at a reset keep their slots until vLLM flushed them (#37 finding 5)",
         "scenario:reset-releases-stores-in-flight",
+    ),
+]
+
+MUTANTS += [
+    # --- issue #51, findings 4-12: hints, prefetch, retention, the disk's anchors (hints.py's checks) -----
+    Mutant(
+        "hint-numbers-refused-not-raised", "kvstrata/hint_bounds.py",
+        'raise ValueError(f"{name} {_short(value)} is out of range") from None',
+        "raise",
+        "dfda6bf: a number beyond a double's range is a ValueError naming it, never an OverflowError (#51 finding 4)",
+        "random:20000",
+    ),
+    Mutant(
+        "pinning-a-prefetch-takes-quota", PREFETCH,
+        "if pinned and not entry.pinned:  # a leased hold becomes a pin: it takes quota like any pin",
+        "if False:",
+        "dfda6bf: pinning a chunk held for a prefetch takes the tenant's pin quota (#51 finding 5)",
+        "random:20000",
+    ),
+    Mutant(
+        "unpin-ends-only-its-owners-pin", PREFETCH,
+        "if not hold.owners:",
+        "if True:",
+        "dfda6bf: pins have owners, an unpin ends only its owner's (#51 findings 5, 11)",
+        "random:20000",
+    ),
+    Mutant(
+        "retention-tenant-share", "kvstrata/tiers/retention.py",
+        "if len(self._entries) >= self.max_entries or held >= self.tenant_entries:",
+        "if len(self._entries) >= self.max_entries:",
+        "27eb043: one tenant's retentions hold retain_share of the table at most (#51 finding 6)",
+        "random:20000",
+    ),
+    Mutant(
+        "retention-order-hears-changes", "kvstrata/store/hints.py",
+        "pool.policy.refresh(slot)",
+        "pass",
+        "27eb043: the arena's O(1) retention order moves a stored chunk when its retention changes (#51 finding 7)",
+        "random:20000",
+    ),
+    Mutant(
+        "prefetch-lease-capped", PREFETCH,
+        "lease_s, lease_cut = capped(lease_s, limits.max_lease_seconds)",
+        "lease_cut = False",
+        "dfda6bf: a prefetch's lease is cut to max_lease_seconds (#51 finding 8)",
+        "random:20000",
+    ),
+    Mutant(
+        "prefetch-deadline-capped", PREFETCH,
+        'deadline_s, deadline_cut = capped(seconds(deadline_s, "prefetch deadline_s"), limits.max_deadline_seconds)',
+        'deadline_s, deadline_cut = seconds(deadline_s, "prefetch deadline_s"), False',
+        "dfda6bf: a prefetch's deadline is cut to max_deadline_seconds (#51 finding 8)",
+        "random:20000",
+    ),
+    Mutant(
+        "hint-tokens-bounded-before-hashing", "kvstrata/connector/hints.py",
+        "if count > self.tokens:",
+        "if False:",
+        "dfda6bf: a request's hints name hint_max_tokens hashes at most, counted before any is read (#51 finding 9)",
+        "random:20000",
+    ),
+    Mutant(
+        "hint-actions-bounded", "kvstrata/connector/hints.py",
+        "taken = raw[: max(0, budget.actions)]",
+        "taken = raw",
+        "dfda6bf: a request carries hint_max_actions actions at most (#51 finding 9)",
+        "random:20000",
+    ),
+    Mutant(
+        "disk-eviction-skips-dropped-dependents", "kvstrata/tiers/disk/index.py",
+        "candidates = (record for record in slab.policy.candidates() if record in slab.key_of and record not in slab.busy)",
+        "candidates = (record for record in slab.policy.candidates() if record not in slab.busy)",
+        "6141956: a batch needing several evictions never takes a dependent its anchor dropped (#51 finding 12)",
+        "scenario:hybrid-disk-batch-evicts-several",
     ),
 ]
 

@@ -5,7 +5,8 @@ another chunk's bytes (or leak a slot, or hold a request), and returns the viola
 world's checks recorded: none on a protocol that is safe by construction. They are written
 out rather than drawn from a seed so each reads as the story the issue tells; the random
 runs (`explore.py`) find their kin. `SCENARIOS` also holds those of scenarios_fixes.py
-(the protocol fixes random runs miss); the stories are written with script.py.
+(the protocol fixes random runs miss) and of scenarios_hints.py (issue #51's fixes random
+runs miss); the stories are written with script.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstrata._dev.sim.scenarios_fixes import FIXES
+from kvstrata._dev.sim.scenarios_hints import HINTS
 from kvstrata._dev.sim.script import QUIET, Script
 from kvstrata._dev.sim.script import run as _run
 from kvstrata._dev.sim.world import SimConfig
@@ -234,4 +236,5 @@ SCENARIOS: dict[str, Callable[[], list[str]]] = {
     "lost-registration-locks-out": lost_registration_locks_out,
     "stalled-store-holds-requests": stalled_store_holds_requests,
     **FIXES,
+    **HINTS,
 }

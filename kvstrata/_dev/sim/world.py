@@ -15,6 +15,7 @@ purges whose jobs in flight have not settled yet.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 import tempfile
@@ -25,13 +26,14 @@ import numpy as np
 
 from kvstrata.store.node_store import NodeStore
 from kvstrata.config import load_config
-from kvstrata.keys import Layout, make_key
+from kvstrata.keys import Layout, key_hash, make_key
 from kvstrata._dev.sim import invariants
 from kvstrata._dev.sim.channel import DELIVERED, DONE, PENDING, Call
 from kvstrata._dev.sim.disturbances import Disturbances, PurgeWatch, Stall, Swallowed
 from kvstrata._dev.sim.engine import Copy, SimEngine
 from kvstrata._dev.executors import InlineExecutor
 from kvstrata._dev.sim.executors import JobQueue, SimExecutor
+from kvstrata._dev.sim.hints import HintActions, HintCall
 from kvstrata.tiers.arena import Arena, SlotError
 from kvstrata.tiers.records import HEADER_BYTES
 
@@ -39,6 +41,12 @@ SLOT = 4096
 COPY_SECONDS = 0.25  # a worker's copy lands at most this long after it was prepared
 KEEP_DONE_CALLS = 3  # answered calls kept per engine, that the store may be made to apply again
 NAMESPACE_MODEL = "sim-model"
+# Hint limits small enough that random runs reach every bound (the checks of hints.py read them back)
+HINT_LIMITS = {"prefetch": {
+    "pin_sources": ["operator", "request"], "pin_share": 0.25, "max_share": 0.25, "lease_seconds": 2.0,
+    "max_lease_seconds": 3.0, "max_deadline_seconds": 1.0, "max_retain_seconds": 6.0, "max_retained_chunks": 24,
+    "retain_share": 0.5, "hint_max_actions": 3, "hint_max_tokens": 10,
+}}  # fmt: skip
 
 
 class SimClock:
@@ -89,6 +97,9 @@ class SimConfig:
     hints: bool = False  # the store's hint calls (prefetch, pin, unpin, retain) as actions
     tenants: int = 1  # engines of 2 tenants (namespace prefixes) share the node
     anchors: bool = False  # a hybrid model: group 1 (sliding window) anchored on group 0
+    # admission.store.disk: chain (the default) keeps a reuse sketch, which orders the disk's
+    # evictions too; always keeps none (the disk's plain eviction order)
+    disk_admission: str = "chain"
     # A plain engine's connector reset is a weight update in place (its namespace stays):
     # what it computes after has new bytes, so a HIT or load of a chunk from before its
     # reset is wrong bytes. For directed scenarios of one engine only: another engine of the
@@ -103,7 +114,7 @@ def config_from_json(fields: dict) -> SimConfig:
     return SimConfig(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
 
 
-class World(Disturbances):
+class World(HintActions, Disturbances):
     def __init__(self, config: SimConfig, root: str | Path | None = None):
         self.config = config
         self._own_root = root is None
@@ -126,6 +137,8 @@ class World(Disturbances):
         self._expected: dict[tuple[bytes, str], bytes] = {}
         self.reservations: dict[tuple[str, int], int] = {}  # (pool path, slot) -> times it was reserved
         self.swallowed: list[str] = []  # exceptions a background job logged and swallowed
+        self.tenant_of: dict[str, str] = {}  # namespace -> its tenant (`namespace_prefix`)
+        self.hint_calls: list[HintCall] = []  # engines' `apply_hints` calls on their way (asynchronous)
         self.raw_config = self._raw_config()
         self.kv_config = load_config(self.raw_config)
         self._set_layout()
@@ -140,12 +153,30 @@ class World(Disturbances):
     def _set_layout(self) -> None:
         """The engines' layout: the model's weights version is part of its identity, so a
         weight update starts a new namespace (as `model_identity` makes it in production)."""
+        hybrid = self.config.anchors  # group 1 (a sliding window) is dead weight without group 0's chunk
         self.layout = Layout(
-            model=f"{NAMESPACE_MODEL}-w{self.generation}", dtype="float32", kv_cache_layout="", tokens_per_block=(32,),
-            group_ids=(0,), tokens_per_hash=32, blocks_per_chunk=1, worker_kv_bytes_per_block=SLOT, world_size=1,
-            tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, hash_algo="sha256",
+            model=f"{NAMESPACE_MODEL}-w{self.generation}", dtype="float32", kv_cache_layout="",
+            tokens_per_block=(32, 32) if hybrid else (32,), group_ids=(0, 1) if hybrid else (0,), tokens_per_hash=32,
+            blocks_per_chunk=1, worker_kv_bytes_per_block=SLOT, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
+            dcp_size=1, hash_algo="sha256", anchor_groups=(0,) if hybrid else None,
         )  # fmt: skip
-        self.namespace = self.layout.namespace
+        self.namespace = self.layout.namespace  # the first tenant's
+        self.slot_bytes = self.layout.slot_bytes
+        self.namespaces = [self.layout_for(t).namespace for t in range(self.config.tenants)]  # each tenant's, served now
+        for t, namespace in enumerate(self.namespaces):
+            self.tenant_of[namespace] = self.tenant_name(t)
+
+    def tenant_name(self, t: int) -> str:
+        """Tenant `t`'s `namespace_prefix` (one tenant: the default, "")."""
+        return f"t{t}" if self.config.tenants > 1 else ""
+
+    def layout_for(self, t: int) -> Layout:
+        """The layout of tenant `t`'s engines (engine i is of tenant i % tenants)."""
+        return dataclasses.replace(self.layout, namespace_prefix=self.tenant_name(t % self.config.tenants))
+
+    def note_namespace(self, namespace: str, t: int) -> None:
+        """A namespace an engine of tenant `t` registers (a cache generation's too): for the quota checks."""
+        self.tenant_of[namespace] = self.tenant_name(t % self.config.tenants)
 
     def _raw_config(self) -> dict:
         c = self.config
@@ -162,21 +193,29 @@ class World(Disturbances):
             "engine": {"lease_seconds": c.lease_seconds, "reserve_slots": c.reserve_slots,
                        "control_timeout_seconds": c.control_timeout_seconds, "refresh_seconds": 0.05,
                        "max_view_age_seconds": 0.1, "lookup_wait_seconds": 2.0},
-            "admission": {"load": "always"},
+            "admission": {"load": "always", "store": {"disk": c.disk_admission}},
+            **(HINT_LIMITS if c.hints else {}),
+            **({"quotas": {"t1": {"cpu": c.arena_slots * SLOT // 2}}} if c.tenants > 1 else {}),
         }  # fmt: skip
 
     def _make_prompts(self) -> list[list[bytes]]:
         c = self.config
 
-        def key(*parts: object) -> bytes:
-            return make_key(hashlib.sha256(repr(parts).encode()).digest(), 0)
+        def keys(*parts: object) -> list[bytes]:  # a position's chunks: one per KV group
+            digest = hashlib.sha256(repr(parts).encode()).digest()
+            return [make_key(digest, group) for group in self.layout.group_ids]
 
         prompts = []
         for p in range(c.prompts):
             prefix = p % c.prefixes
             length = 1 + (p * 7) % c.prefix_chunks  # prompts share a prefix of varying length
-            prompts.append([key("prefix", prefix, i) for i in range(length)] + [key("own", p, i) for i in range(p % 3)])
+            at = [("prefix", prefix, i) for i in range(length)] + [("own", p, i) for i in range(p % 3)]
+            prompts.append([key for parts in at for key in keys(*parts)])
         return prompts
+
+    def block_hashes(self, p: int) -> list[str]:
+        """Prompt `p`'s block hashes as a hint names them (hex; one per position, every group's chunk)."""
+        return list(dict.fromkeys(key_hash(key).hex() for key in self.prompts[p % len(self.prompts)]))
 
     def _start_store(self) -> NodeStore:
         store = NodeStore(self.raw_config, "simnode", clock=self.clock, executors=self._executor)
