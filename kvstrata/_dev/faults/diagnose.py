@@ -31,17 +31,22 @@ def _native() -> str:
     parts = []
     with contextlib.suppress(Exception):
 
+        fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
         class MallInfo2(ctypes.Structure):
-            _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+            _fields_ = [(name, ctypes.c_size_t) for name in fields]
 
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = MallInfo2
         info = libc.mallinfo2()
-        parts.append(f"malloc in use {info.uordblks >> 20} MiB, free kept {info.fordblks >> 20} MiB, mmapped {info.hblkhd >> 20} MiB")
+        parts.append(
+            f"malloc in use {info.uordblks >> 20} MiB, free kept {info.fordblks >> 20} MiB, mmapped {info.hblkhd >> 20} MiB"
+        )
     if "pyarrow" in sys.modules:
         with contextlib.suppress(Exception):
             pool = sys.modules["pyarrow"].default_memory_pool()
-            parts.append(f"pyarrow {pool.backend_name} allocated {pool.bytes_allocated() >> 20} MiB, peak {pool.max_memory() >> 20} MiB")
+            allocated, peak = pool.bytes_allocated() >> 20, pool.max_memory() >> 20
+            parts.append(f"pyarrow {pool.backend_name} allocated {allocated} MiB, peak {peak} MiB")
     return "; ".join(parts)
 
 
