@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--min-rounds", type=int, default=0, help="run at least this many rounds per row (hunting rare changed outputs)"
     )
+    parser.add_argument(
+        "--diagnose-leaks",
+        action="store_true",
+        help="trace the store's allocations and note its footprint per round and what grew (slower store)",
+    )
     return parser
 
 
@@ -53,20 +58,20 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown row(s): {', '.join(unknown)}")
     started = time.monotonic()
-    results = run(wanted, args.min_rounds)
+    results = run(wanted, args.min_rounds, args.diagnose_leaks)
     print_table(results, time.monotonic() - started)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) | {"ok": r.ok} for r in results], indent=2))
     return 0 if all(r.ok for r in results) else 1
 
 
-def run(wanted: list[str], min_rounds: int = 0) -> list:
+def run(wanted: list[str], min_rounds: int = 0, diagnose_leaks: bool = False) -> list:
     from kvstrata._dev.faults.harness import run_rows
     from kvstrata._dev.faults.multinode import MULTINODE_FAULTS, run_multinode_rows
 
     single = [n for n in wanted if n not in MULTINODE_FAULTS]
     progress = lambda name: print(f"row {name} ...", flush=True)  # noqa: E731
-    results = run_rows(single, progress=progress, min_rounds=min_rounds) if single else []
+    results = run_rows(single, progress=progress, min_rounds=min_rounds, diagnose_leaks=diagnose_leaks) if single else []
     multi = [n for n in wanted if n in MULTINODE_FAULTS]
     if multi:
         print(f"rows {', '.join(multi)} (simulated three-node cluster) ...", flush=True)

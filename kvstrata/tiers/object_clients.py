@@ -18,6 +18,7 @@ credentials:
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -56,16 +57,41 @@ class FsspecClient:
 
 
 class PyArrowS3Client:
+    """pyarrow's S3 client. Each PUT buffers its body in a part buffer of 10 MiB from
+    pyarrow's memory pool, however small the object (measured: a 64 KiB chunk's PUT
+    peaks the pool at 10 MiB, 16 at once at 160 MiB, all of it resident), and the pool's
+    allocator (mimalloc) keeps those pages once freed: a store that uploaded once stayed
+    160 MiB larger, or not, as the allocator pleased (issue #51 finding 13: the fault
+    matrix's object-blackhole row read it as a leak of +148 MiB). So whenever the last
+    PUT in flight ends, the pool gives its unused memory back (~1 ms, once per batch):
+    the part buffers cost memory while uploads run, at most `max_concurrency` x 10 MiB,
+    and none after."""
+
     name = "pyarrow"
 
     def __init__(self, options: Mapping[str, Any]):
+        import pyarrow
         from pyarrow import fs as pafs
 
         self.fs = pafs.S3FileSystem(**options)
+        self._memory = pyarrow.default_memory_pool()  # what the S3 streams allocate from
+        self._lock = threading.Lock()
+        self._putting = 0  # PUTs in flight
+        self.releases = 0  # times the pool gave its unused memory back
 
     def put(self, path: str, body: bytes) -> None:
-        with self.fs.open_output_stream(path, metadata={}) as stream:
-            stream.write(body)
+        with self._lock:
+            self._putting += 1
+        try:
+            with self.fs.open_output_stream(path, metadata={}) as stream:
+                stream.write(body)
+        finally:
+            with self._lock:
+                self._putting -= 1
+                last = self._putting == 0
+            if last:
+                self._memory.release_unused()
+                self.releases += 1
 
     def get(self, path: str, expected_bytes: int) -> memoryview:
         with self.fs.open_input_file(path) as source:

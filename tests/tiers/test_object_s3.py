@@ -257,3 +257,24 @@ def test_a_get_from_a_black_holed_server_gives_up_within_its_timeouts(black_hole
     assert 1 <= black_hole.connections <= 8 * 2
     assert tier.counters["get_failures"] + tier.counters["skipped_while_paused"] == 8
     tier.close()
+
+
+def test_uploads_through_pyarrow_give_its_part_buffers_back_once_they_end(server):
+    """Each pyarrow PUT takes a 10 MiB part buffer whatever the object's size; 16 at once
+    left the store 160 MiB larger after the uploads had ended, or not, as pyarrow's
+    allocator pleased (issue #51 finding 13: the fault matrix read it as a leak)."""
+    pyarrow = pytest.importorskip("pyarrow")
+    psutil = pytest.importorskip("psutil")
+    tier = tier_for(server, client="pyarrow", max_concurrency=16)
+    pool, process = pyarrow.default_memory_pool(), psutil.Process()
+    assert tier.put_many(NS, [(key(1000), chunk(0))]) == [True]  # the client's own start-up
+    pool.release_unused()
+    before = process.memory_info().rss
+    for batch in range(3):
+        items = [(key(1000 + 48 * batch + i), chunk(i)) for i in range(48)]
+        assert tier.put_many(NS, items) == [True] * 48
+    grown = process.memory_info().rss - before
+    # Before the fix: +170 MiB here (16 part buffers kept resident); after: a few MiB.
+    assert grown < 48 << 20, f"RSS +{grown >> 20} MiB after the uploads ended"
+    assert tier.client.releases >= 3  # once per batch at least: when its last PUT ended
+    tier.close()

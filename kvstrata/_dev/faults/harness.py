@@ -29,13 +29,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata._dev.faults import load
+from kvstrata._dev.faults import diagnose, load
 from kvstrata._dev.faults.context import RowContext
-from kvstrata._dev.faults.probes import ProcessSample, directory_files, disk_tier_bytes, growth_problems, sample_process
+from kvstrata._dev.faults.probes import (
+    ProcessSample,
+    arena_fd_bound,
+    directory_files,
+    disk_tier_bytes,
+    fd_kinds,
+    growth_problems,
+    kinds_growth,
+    sample_process,
+)
 from kvstrata._dev.faults.rows import (
     CONTROL_OF,
     CONTROLS,
     Fault,
+    _noop,
     batch_size,
     store_pid,
     tier_config,
@@ -72,6 +82,7 @@ class RowResult:
     target_hit: float = 0.999
     steady_hit: float | None = None  # control rows: what the tier config delivers with no fault
     store_after: dict[str, int] | None = None
+    store_fd_kinds: dict[str, int] = field(default_factory=dict)  # what store_after's descriptors are
 
     @property
     def ok(self) -> bool:
@@ -123,10 +134,16 @@ def settle(timeout_s: float = 60.0) -> None:
         ray.get(get_node_store().wait_io.remote(timeout_s), timeout=timeout_s + 10)
 
 
-def _store_sample():
+def _store_sample(arena_dir: Path | None = None):
     with contextlib.suppress(Exception):
-        return sample_process(store_pid())
+        return sample_process(store_pid(), arena_dir)
     return None
+
+
+def _store_fd_kinds() -> dict[str, int]:
+    with contextlib.suppress(Exception):
+        return fd_kinds(store_pid())
+    return {}
 
 
 def _store_stats() -> dict[str, Any]:
@@ -207,7 +224,12 @@ def _kill_victim(ctx: RowContext) -> None:
 
 
 def run_row(
-    fault: Fault, model: Path, reference: list[list[int]], control: RowResult | None = None, min_rounds: int = 0
+    fault: Fault,
+    model: Path,
+    reference: list[list[int]],
+    control: RowResult | None = None,
+    min_rounds: int = 0,
+    diagnose_leaks: bool = False,
 ) -> RowResult:
     """Run one fault row end to end; never raises (an error is the row's result).
 
@@ -219,6 +241,10 @@ def run_row(
 
     `min_rounds`: keep running fault-free rounds after the hits are back until the row has
     run this many (per engine), to look for rare changed outputs.
+
+    `diagnose_leaks`: trace the store's allocations from the baseline on and note its
+    footprint after every round, and what grew (diagnose.py); a descriptor leak's kinds
+    are noted in any case.
     """
     from kvstrata._dev.testing import _unlink_unmapped, make_llm, shutdown_llm
 
@@ -230,6 +256,12 @@ def run_row(
         return result
     ctx = RowContext.create(fault.name)
     llms: list = []
+    sampler = diagnose.PeakSampler(store_pid) if diagnose_leaks else None
+
+    def phase(name: str) -> None:
+        if sampler is not None:
+            sampler.phase = name
+
     try:
         config = tier_config(fault, ctx)
         llms.append(make_llm(model, config))
@@ -241,19 +273,29 @@ def run_row(
         prompts = load.prompts(PROMPTS)
         size = batch_size(fault) or PROMPTS
         batches = [prompts[i : i + size] for i in range(0, PROMPTS, size)]
+        phase("round 1")
         rounds = _round(llms, batches, fault if fault.during == "stores" else None, ctx, result)
         settle()
-        before = _store_sample()
+        before, before_kinds = _store_sample(ctx.shm_dir), _store_fd_kinds()
+        if diagnose_leaks:
+            diagnose.start_tracing()
         if fault.during == "between":
             fault.inject(ctx)
+        phase("round 2")
         rounds += _round(llms, batches, fault if fault.during == "loads" else None, ctx, result)
+        if diagnose_leaks and fault.lift is not _noop:
+            held = diagnose.memory_growth(stop=False)
+            result.notes += [f"store memory while the fault holds: {line}" for line in held]
+        phase("recovery")
         fault.lift(ctx)
         lifted = time.monotonic()
         if fault.name in CONTROLS:
             # A control's own baseline is its store once round 2 has loaded: a tier's
             # client pools (S3 connections, their threads) open on first use, not leak.
             settle()
-            before = _store_sample() or before
+            before, before_kinds = _store_sample(ctx.shm_dir) or before, _store_fd_kinds() or before_kinds
+            if diagnose_leaks:
+                diagnose.start_tracing()
             for _ in range(CONTROL_ROUNDS):
                 settle()
                 rounds += _round(llms, batches, None, ctx, result)
@@ -263,6 +305,8 @@ def run_row(
             settle()
             recovery = _round(llms, batches, None, ctx, result)
             rounds += recovery
+            if diagnose_leaks and (sample := _store_sample()):
+                result.notes.append(f"after round {len(rounds) // len(llms)}: RSS {sample.rss_bytes >> 20} MiB, {sample.fds} fds")
             if all(r.hit_fraction >= result.target_hit for r in recovery) and _victim_gone(ctx):
                 result.recovery_s = round(time.monotonic() - lifted, 1)
         while len(rounds) < min_rounds * len(llms):
@@ -277,16 +321,26 @@ def run_row(
                 f"audit: {audit['audit_promotions_checked']} promotions checked, {audit['audit_mismatches']} wrong, "
                 f"{audit['audit_recommits_differing']} keys recommitted with other bytes"
             )
-        after = _store_sample()
+        after, after_kinds = _store_sample(ctx.shm_dir), _store_fd_kinds()
         if after is not None:
             result.store_after = after.as_dict()
-        # Against the control's store where the row runs the control's shape; two engines on
-        # a doubled arena hold more connections and segment files by design: their own
-        # store after round 1 is the baseline there.
+            result.store_fd_kinds = after_kinds
+        # Against the control's store where the row runs the control's shape; two engines
+        # hold more connections by design: their own store after round 1 is the baseline
+        # there. The arena's segment descriptors are held to the arena's own bound instead
+        # (probes.arena_fd_bound): it opens them as it fills, in round 1 or only later.
         same_shape = fault.tiers != "two-engines"
-        baseline = ProcessSample(**control.store_after) if same_shape and control is not None and control.store_after else before
+        use_control = same_shape and control is not None and control.store_after
+        baseline = ProcessSample(**control.store_after) if use_control else before
+        baseline_kinds = control.store_fd_kinds if use_control else before_kinds
         if baseline and after:
-            result.leaks += growth_problems(baseline, after)
+            arena = config["tiers"]["cpu"]
+            grown = growth_problems(baseline, after, arena_fds_bound=arena_fd_bound(arena["capacity"], arena["segment_size"]))
+            result.leaks += grown
+            if diagnose_leaks or any("fds" in problem or "descriptors" in problem for problem in grown):
+                result.notes.append(f"store descriptors since the baseline: {kinds_growth(baseline_kinds, after_kinds)}")
+        if diagnose_leaks:
+            result.notes += [f"store memory since the baseline: {line}" for line in diagnose.memory_growth()]
         disk_used = disk_tier_bytes(ctx.disk_dir)
         if disk_used > ctx.disk_capacity():
             result.leaks.append(f"disk slabs {disk_used >> 10} KiB over the tier's {ctx.disk_capacity() >> 10} KiB capacity")
@@ -299,6 +353,8 @@ def run_row(
         logger.exception("fault row %s failed", fault.name)
         result.error = f"{type(error).__name__}: {error}"[:300]
     finally:
+        if sampler is not None:
+            result.notes.append(sampler.close())
         for llm in llms:
             with contextlib.suppress(Exception):
                 shutdown_llm(llm)
@@ -330,7 +386,9 @@ def _victim_gone(ctx: RowContext) -> bool:
     return False
 
 
-def run_rows(names: list[str], progress: Callable[[str], None] | None = None, min_rounds: int = 0) -> list[RowResult]:
+def run_rows(
+    names: list[str], progress: Callable[[str], None] | None = None, min_rounds: int = 0, diagnose_leaks: bool = False
+) -> list[RowResult]:
     """Run the named single-node rows in one fault session (one model, one Ray cluster)."""
     from kvstrata._dev.faults.rows import by_name
     from kvstrata._dev.faults.session import fault_session
@@ -342,7 +400,8 @@ def run_rows(names: list[str], progress: Callable[[str], None] | None = None, mi
         for fault in with_controls(by_name(names)):
             if progress is not None:
                 progress(fault.name)
-            result = run_row(fault, model, reference, controls.get(CONTROL_OF[fault.tiers]), min_rounds)
+            control = controls.get(CONTROL_OF[fault.tiers])
+            result = run_row(fault, model, reference, control, min_rounds, diagnose_leaks)
             if fault.name in CONTROLS and result.ok:
                 controls[fault.name] = result
             results.append(result)
