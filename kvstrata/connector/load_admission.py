@@ -118,6 +118,10 @@ class LoadAdmission:
             for tier, cost in self.costs.items()
         }
 
+    def undecided(self, req_id: str) -> bool:
+        """Whether `decide` would still weigh this request (break_even on, no decision yet)."""
+        return self.enabled and req_id not in self._cuts
+
     def has_cut(self, req_id: str) -> bool:
         """Whether the request decided to recompute from some chunk on (cheap: no position)."""
         return self._cuts.get(req_id) is not None

@@ -161,6 +161,17 @@ class PinsAndSlots(ReplyInbox, EvictionOrder, OffloadingManager):
                 self._counters["lookups_timed_out"] += 1
                 self._load_admission.note_timed_out(req_id)
             return LookupResult.MISS
+        if (
+            key in self._mirror
+            and self._load_admission.undecided(req_id)
+            and self._view_as_of < arrived - self._max_view_age
+            and not self._store_silent(req_id)
+        ):
+            # A cut is final for the request: take it on a view as fresh as a MISS needs
+            # (the chunk may have been promoted into the arena since this view, 28 Nov 2026:
+            # a probed prompt recomputed on a loaded machine).
+            self._view_wanted = True
+            return LookupResult.RETRY
         if key in self._mirror and self._load_admission.decide(
             req_id, position, key_positions(req_context), self._mirror, self._anchor_groups, key_group, now,
             self._pin_waiters,

@@ -9,6 +9,7 @@ speed the test sets."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -18,7 +19,7 @@ from kvstrata.connector.compat import LookupResult, ReqContext
 from kvstrata.connector.manager import StrataManager
 from kvstrata.tiers.disk import HEADER_BYTES
 from tests.connector.harness import SLOT, step, store_chunks
-from tests.utils import key, layout, store_config
+from tests.utils import FakeClock, key, layout, store_config
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 TOKENS = 32  # per chunk (tests.utils.layout)
@@ -38,11 +39,11 @@ def env(tmp_path):
         made["stores"].append(node_store)
         return node_store
 
-    def manager(node_store, holder, hybrid=False):
+    def manager(node_store, holder, hybrid=False, clock=time.monotonic):
         kv = layout(worker_bytes=SLOT)
         if hybrid:  # group 0 full attention (the anchor), group 1 a sliding window
             kv = dataclasses.replace(kv, group_ids=(0, 1), tokens_per_block=(TOKENS, TOKENS), anchor_groups=(0,))
-        m = StrataManager(LocalStoreClient(node_store), kv, node_store.config, holder, enable_events=True)
+        m = StrataManager(LocalStoreClient(node_store), kv, node_store.config, holder, enable_events=True, clock=clock)
         made["managers"].append(m)
         assert m.wait_idle(10)
         return m
@@ -286,3 +287,33 @@ def test_a_stale_slow_tier_is_probed_in_the_background_and_the_request_does_not_
     assert [reader.lookup(key(i), again) for i in (1, 2, 3, 4)] == [HIT] * 4  # from the arena now
     assert reader._counters["chunks_probed"] == 2
     reader.on_request_finished(again)
+
+
+def test_a_request_newer_than_the_view_decides_on_a_fresh_one(env):
+    """A cut is final for the request, so it is taken on a view as fresh as a MISS needs:
+    chunks promoted into the arena since the engine's last view (a probe, another engine's
+    pin) are loaded, not recomputed because the stale view still had them on a slow tier
+    (the break-even e2e test on a loaded machine, 28 Nov 2026: a probed prompt, promoted,
+    was recomputed)."""
+    make_store, make_manager = env
+    store = make_store()
+    writer = make_manager(store, "writer")
+    split_prefix(store, writer, [key(3), key(4)], [key(1), key(2)])
+    clock = FakeClock()
+    reader = make_manager(store, "reader", clock=clock)
+    measured(store, reader, 4096.0)  # the disk is slow: its chunks would be recomputed
+    # An operator's pin (`kvstrata warm --pin`) brings 3 and 4 into the arena; the reader has not heard.
+    for _ in range(20):  # asked again until they landed, as `kvstrata warm` does
+        outcome = store.pin_chunks(reader.namespace, [key(3), key(4)])
+        step(writer, store)  # the store moves promotions on at an engine's step
+        if "waiting" not in outcome:
+            break
+    assert store.arena.pools[reader.namespace].lookup(key(4)) is not None, outcome
+    assert "cpu" not in reader._mirror[key(4)]  # the reader's view is from before the promotion
+    clock.advance(store.config.engine.max_view_age_seconds + 1)  # a request newer than that view
+    context = request({key(i): i * TOKENS for i in (1, 2, 3, 4)})
+    assert [reader.lookup(key(i), context) for i in (1, 2, 3)] == [HIT, HIT, RETRY]  # a fresher view first
+    step(reader)
+    assert [reader.lookup(key(i), context) for i in (3, 4)] == [HIT, HIT]  # then loaded, all of it
+    assert reader._counters["loads_skipped_disk"] == 0
+    reader.on_request_finished(context)
