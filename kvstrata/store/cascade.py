@@ -7,13 +7,13 @@ tier's holder: `CASCADE` for disk, `UPLOAD` for the object store) until the copy
 A full queue drops the copy (counted), never blocks. With `admission.store: reuse` a tier
 gets only chunks used often enough (admission.py).
 
-Owns: the copies in flight per tier (`_pending`, and `_in_flight` by namespace, generation
-and key) and the arena's eviction hook (`attach_write_back`).
+Owns: the copies in flight per tier (`_in_flight`, by namespace, generation and key) and
+the arena's eviction hook (`attach_write_back`).
 Invariants: every slot a copy pins is unpinned exactly once, by its job or at once when
-the copy is dropped; a chunk is copied to a tier at most once at a time (a late copy of a
-chunk that became reused while its commit's copy is still queued is not a second write:
-found by CI on a loaded machine, 5 disk writes for 4 chunks); a job's unpin takes the store lock, so it comes after the pin taken
-when the eviction hook returns. Records OBJECT presence only for uploads that landed, and
+the copy is dropped; a chunk is copied to a tier at most once at a time (a late copy of
+a chunk that became reused while its commit's copy is still queued is no second write:
+CI on a loaded machine counted 5 disk writes for 4 chunks); a job's unpin takes the
+store lock, so it comes after the pin taken when the eviction hook returns. Records OBJECT presence only for uploads that landed, and
 only if their namespace was not purged since they were queued; a copy queued before a
 purge writes nothing (purges.py). A namespace kept to its node (registration_check.py)
 is never copied to a shared tier.
@@ -45,7 +45,6 @@ class Cascade:
         self._admission = admission
         self._through = [tier for tier in tiers if tier.write_policy == "write_through"]
         self._back = [tier for tier in tiers if tier.write_policy == "write_back"]
-        self._pending: dict[str, int] = {tier.name: 0 for tier in tiers}
         self._in_flight: dict[str, set[tuple[str, int, bytes]]] = {tier.name: set() for tier in tiers}
         for tier in tiers:
             if tier.counter:
@@ -54,11 +53,11 @@ class Cascade:
 
     def pending(self, tier: str) -> int:
         """Copies to `tier` in flight (status)."""
-        return self._pending.get(tier, 0)
+        return len(self._in_flight.get(tier, ()))
 
     def busy(self) -> bool:
         """Whether a copy is in flight (`wait_io`; callers hold the lock)."""
-        return any(self._pending.values())
+        return any(self._in_flight.values())
 
     def attach_write_back(self, namespace: str, pool: SlotPool) -> None:
         """Copy a new pool's evicted chunks to the tiers whose policy is `write_back`."""
@@ -106,16 +105,15 @@ class Cascade:
         for key, slot in items:
             if key in held or (namespace, generation, key) in in_flight:
                 pass  # already there (another node, or an earlier life of this chunk, put it there) or on its way
-            elif not available or self._pending[tier.name] + len(accepted) >= tier.queue_depth:
+            elif not available or len(in_flight) >= tier.queue_depth:
                 counters[f"{tier.counter}_dropped"] += 1
             else:
+                in_flight.add((namespace, generation, key))
                 accepted.append((key, slot))
                 continue
             if pinned:
                 pool.unpin(tier.holder, [slot])
         if accepted:
-            self._pending[tier.name] += len(accepted)
-            in_flight.update((namespace, generation, key) for key, _ in accepted)
             counters[f"{tier.counter}_queued"] += len(accepted)
             done = partial(self._copied, tier, namespace, generation, pool)
             tier.submit_writes(namespace, pool, accepted, generation, done)
@@ -128,7 +126,6 @@ class Cascade:
         landed = sum(ok)
         self._ctx.io_meter.record(tier.name, "write", landed * pool.geometry.slot_bytes, landed, seconds)
         with self._ctx.lock:
-            self._pending[tier.name] -= len(items)
             self._in_flight[tier.name].difference_update((namespace, generation, key) for key, _ in items)
             pool.unpin(tier.holder, [slot for _, slot in items])
             self._ctx.io_done.notify_all()

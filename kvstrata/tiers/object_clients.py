@@ -89,9 +89,9 @@ class PyArrowS3Client:
             with self._lock:
                 self._putting -= 1
                 last = self._putting == 0
+                self.releases += last
             if last:
                 self._memory.release_unused()
-                self.releases += 1
 
     def get(self, path: str, expected_bytes: int) -> memoryview:
         with self.fs.open_input_file(path) as source:
