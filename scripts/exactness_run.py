@@ -300,9 +300,10 @@ class Matrix:
                         for cell in model_cells:
                             if cell.tp == "2>1":
                                 self.compute_for_other(index[id(cell)], cell, llm)
-                    # Connector resets last: each starts a new namespace, and on a full arena the
-                    # purged ones keep their slots (tests/tiers/test_arena_idle_pools.py).
-                    for cell in sorted(members, key=lambda cell: cell.feature == "reset"):
+                    # In design order: a connector reset starts a new namespace, and later cells
+                    # of the engine must still store (a purged pool gives its segments back,
+                    # tests/tiers/test_arena_idle_pools.py; the matrix found it starving).
+                    for cell in members:
                         results[index[id(cell)]] = self.run_cell(index[id(cell)], cell, llm)
                 finally:
                     self.stop(llm)
