@@ -16,7 +16,8 @@ per candidate whatever is retained.
 
 Shares: one tenant's retentions hold at most `tenant_share` of the table, so no tenant
 fills it for the others; a retention of a key no tier holds counts against its own
-tenant's share only.
+tenant's share only. Retentions of a namespace whose tenant is not known yet (None)
+count against every tenant's share until it is, so none exceeds its share once known.
 
 Invariants: a retention protects only while it lives (`expires_at` > now): an expired
 one is forgotten at the next read, and its chunk is evicted like any other; among
@@ -98,8 +99,7 @@ class RetentionTable:
             self._expire()
             until = self._clock() + ttl_seconds
             refused = 0
-            tenant = self._tenant_of(namespace)
-            held = self._held_by(tenant)
+            held = self._share_used(self._tenant_of(namespace))
             for key in keys:
                 name = (namespace, key)
                 known = self._entries.get(name)
@@ -152,6 +152,21 @@ class RetentionTable:
         """Entries held by the tenant of `namespace`."""
         with self._lock:
             return self._held_by(self._tenant_of(namespace))
+
+    def _share_used(self, tenant: str | None) -> int:
+        """Entries that count against `tenant`'s share (callers hold the lock): its own, and
+        those of namespaces whose tenant is not known yet (None: a restarted store learns a
+        namespace's tenant at its first registration), which may turn out to be its. For
+        an unknown tenant, the most any known tenant holds: whichever tenant the namespace
+        turns out to be, it holds its share at most (found by the simulation, seed 124)."""
+        per_tenant: dict[str | None, int] = {}
+        for namespace, count in self._by_namespace.items():
+            owner = self._tenant_of(namespace)
+            per_tenant[owner] = per_tenant.get(owner, 0) + count
+        unknown = per_tenant.pop(None, 0)
+        if tenant is None:
+            return unknown + max(per_tenant.values(), default=0)
+        return per_tenant.get(tenant, 0) + unknown
 
     def _held_by(self, tenant: str | None) -> int:
         """Entries of the tenant's namespaces, each namespace counted as the tenant's now: a store

@@ -153,3 +153,21 @@ def test_retentions_made_before_a_namespace_tenant_is_known_count_in_its_share(s
     late = node.retain(lay.namespace, [key(100 + i) for i in range(40)], 50, 60)
     assert early["retained"] + late["retained"] == 50  # the tenant's share, no more
     assert len(node.hints._retention) == 50
+
+
+def test_retentions_of_a_namespace_whose_tenant_is_not_known_leave_room_in_every_share(store):
+    """Found by the simulation's 10^7-event run (seed 124): a restarted store knew one of a
+    tenant's namespaces (its engine had registered again) and not yet another (that
+    engine's hints came first). The unknown namespace's retentions were admitted against
+    no tenant's share, and once it registered the tenant held 13 of a share of 12."""
+    node, _ = store(prefetch={"max_retained_chunks": 100, "retain_share": 0.5})
+    known, unknown = layout(model="tiny-a", prefix="a"), layout(model="tiny-b", prefix="a")
+    node.register("engine-1", known.namespace, SLOT, known.describe())
+    assert node.retain(known.namespace, [key(i) for i in range(40)], 50, 60)["retained"] == 40
+    early = node.retain(unknown.namespace, [key(100 + i) for i in range(40)], 50, 60)  # not registered yet
+    assert early["retained"] == 10  # what the busiest known tenant leaves of a share
+    node.register("engine-2", unknown.namespace, SLOT, unknown.describe())
+    assert node.hints._retention.tenant_count(known.namespace) == 50  # the tenant's share, no more
+    other = layout(model="tiny-c", prefix="b")  # another tenant still gets its own share
+    node.register("engine-3", other.namespace, SLOT, other.describe())
+    assert node.retain(other.namespace, [key(200 + i) for i in range(60)], 50, 60)["retained"] == 50
