@@ -15,7 +15,10 @@ named by their sha256, a snapshot of relative links), then measures:
 Cold means: every file of the checkpoint evicted from the page cache
 (`posix_fadvise(DONTNEED)` after `fsync`), checked with `mincore` (the resident share
 is printed). Goals (issue #38): restart <= 10 ms; first start <= 25 % of vLLM's load
-of the same checkpoint; a hub snapshot at a restart <= 10 ms whatever its size.
+of the same checkpoint; a hub snapshot at a restart <= 10 ms whatever its size. Issue
+#50: a first start costs <= 10 ms of the engine's start path ("engine's start path": the
+fingerprint asked within the connector's start-up read limit, refused, and started on a
+thread, as `StrataSpec.get_manager` does; the thread's own time is printed below it).
 
     python benchmarks/model_identity.py --gib 2 16 --rounds 3
 
@@ -52,6 +55,7 @@ from kvstrata.identity import (  # noqa: E402
     FULL,
     SAMPLED,
     DigestCache,
+    LongRead,
     checkpoint_files,
     fingerprint,
     sampled_ranges,
@@ -278,12 +282,43 @@ def measure(gib: float, scratch: Path, rounds: int, engine_max_gib: float) -> No
 
             return run
 
+        background: list[float] = []
+
+        def start_path(path: Path) -> Callable[[], object]:
+            """A first start as the engine makes it (connector/spec.py): the fingerprint within
+            the start-up read limit, and past it a deferred start; only that is on the clock."""
+            from kvstrata.connector.deferred_start import DeferredStart
+            from kvstrata.connector.spec import READ_AT_START_BYTES
+
+            def run():
+                fresh = Path(tempfile.mkdtemp(dir=root))
+                cache = DigestCache(fresh)
+                try:
+                    fingerprint(path, EXACT, cache, read_limit=READ_AT_START_BYTES)
+                    return
+                except LongRead:
+                    pending = DeferredStart(lambda: fingerprint(path, EXACT, cache))
+                settled.append((pending, fresh))
+
+            return run
+
+        settled: list = []
+
+        def settle() -> None:
+            """Off the clock: the deferred fingerprint's own time, read to its end."""
+            while settled:
+                pending, fresh = settled.pop()
+                assert pending.wait(3600) and not pending.failed
+                background.append(pending.seconds)
+                shutil.rmtree(fresh, ignore_errors=True)
+
         remembered = DigestCache(root / "digests")
         fingerprint(root / "model", EXACT, remembered)  # what the first start leaves behind
         fingerprint(snapshot, EXACT, remembered)  # and its verified hub names
         assert fingerprint(root / "model", EXACT, remembered).hashed_bytes < (1 << 20), "restart hashed weights"
         cases = {  # name: (what to time, whether it reads every byte)
             "exact, first start": (first_start(root / "model"), True),
+            "exact, first start, start path": (start_path(root / "model"), False),
             "exact, restart": (lambda: fingerprint(root / "model", EXACT, remembered), False),
             "exact, hub snapshot, first start": (first_start(snapshot), True),
             "exact, hub snapshot, restart": (lambda: fingerprint(snapshot, EXACT, remembered), False),
@@ -293,11 +328,17 @@ def measure(gib: float, scratch: Path, rounds: int, engine_max_gib: float) -> No
         print(f"{'kvstrata fingerprint':34} {'cache':5} {'resident':>8} {'seconds':>9} {'GB/s':>6} {'÷ vLLM load':>12}")
         for name, (action, reads_all) in cases.items():
             for cold_cache in (True, False):
-                runs = [timed(action, files, cold_cache) for _ in range(rounds)]
+                runs = []
+                for _ in range(rounds):
+                    runs.append(timed(action, files, cold_cache))
+                    settle()
                 seconds, resident = statistics.median(r[0] for r in runs), min(r[1] for r in runs)
                 rate = f"{size / seconds / 1e9:6.1f}" if reads_all else "     -"
                 print(f"{name:34} {'cold' if cold_cache else 'warm':5} {resident:8.1%} {seconds:9.4f} {rate} "
                       f"{seconds / load:12.2%}")
+                if background:
+                    print(f"{'  ... then in the background':34} {'':5} {'':8} {statistics.median(background):9.4f}")
+                    background.clear()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

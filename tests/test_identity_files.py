@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.identity import EXACT, FULL, DigestCache, fingerprint, resolve_model_identity
+from kvstrata.identity import EXACT, FULL, DigestCache, LongRead, fingerprint, resolve_model_identity
 from kvstrata.identity import digest_cache as digest_cache_module
 from kvstrata.identity import files as files_module
 from kvstrata.identity.files import FileChanged, content_key, hash_files, hash_piece
@@ -199,6 +199,27 @@ def test_a_restart_reads_no_weight_bytes(tmp_path, old_files):
         again = fingerprint(plain, EXACT, cache)
     assert again.weights == first.weights and again.remembered == 2 and again.hashed_bytes == len(CHECKPOINT["config.json"]) + len(CHECKPOINT["tokenizer.json"])
     assert counted["bytes"] < 4096
+
+
+@pytest.mark.parametrize("hub", [False, True], ids=["plain", "hub-snapshot"])
+def test_a_read_over_the_limit_is_refused_before_any_weight_byte_is_read(tmp_path, old_files, hub):
+    """The engine asks with a limit at start (connector/spec.py): a node's first read of a
+    large checkpoint is refused, having read nothing, and done off the start path; once
+    remembered, the same limit lets a restart through."""
+    snapshot = hub_cache(tmp_path / "hub", CHECKPOINT)
+    root = snapshot if hub else Path(shutil.copytree(snapshot, tmp_path / "plain"))
+    cache = DigestCache(tmp_path / "digests")
+    with bytes_read() as counted, pytest.raises(LongRead) as refused:
+        fingerprint(root, EXACT, cache, read_limit=MiB)
+    assert counted["bytes"] < 4096 and refused.value.read_bytes >= 5 * MiB
+    with pytest.raises(LongRead):  # nothing was remembered by the refusal
+        resolve_model_identity(str(root), EXACT, SETTINGS, digest_cache=cache, read_limit=MiB)
+    first = fingerprint(root, EXACT, cache)  # what the deferred start does, unlimited
+    again = fingerprint(root, EXACT, cache, read_limit=MiB)
+    assert again.weights == first.weights
+    assert fingerprint(root, FULL, read_limit=CHECKPOINT_BYTES).weights  # a limit that fits is no refusal
+    with pytest.raises(LongRead):
+        fingerprint(root, FULL, read_limit=MiB)  # full reads everything at every start
 
 
 def test_a_file_written_in_the_last_seconds_is_hashed_again_next_time(tmp_path, monkeypatch):

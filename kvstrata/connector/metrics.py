@@ -47,6 +47,10 @@ COUNTER_NAMES = {
     "usual round trips, waiting on a store that did not answer meanwhile.",
     "lease_unproven": "Chunks not stored because the engine's last answer from the store was older than half a "
     "lease (its reserved slots may have gone to another engine).",
+    "lookups_before_cache_on": "Lookups answered MISS because kvstrata was not on yet for this engine (the weights' "
+    "fingerprint of a large checkpoint, computed while the engine serves).",
+    "stores_skipped_before_cache_on": "Chunks not stored because kvstrata was not on yet for this engine (the "
+    "weights' fingerprint of a large checkpoint, computed while the engine serves).",
 }
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",

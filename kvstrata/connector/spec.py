@@ -34,12 +34,19 @@ from kvstrata.connector.compat import (
     prefix_hash_algo,
 )
 from kvstrata.connector.manager import COUNTER_NAMES, GAUGE_NAMES, StrataManager, metric_name
+from kvstrata.connector.deferred_start import DeferredStart, Starting
 from kvstrata.connector.weight_updates import WeightGenerations
-from kvstrata.identity import ModelIdentity, resolve_model_identity
+from kvstrata.identity import LongRead, ModelIdentity, resolve_model_identity
 from kvstrata.keys import Layout
 from kvstrata.namespaces import holder_name
 
 logger = logging.getLogger(__name__)
+
+# The most the weights' fingerprint may read on the engine's start path: 5-10 ms at the
+# 0.9-1.8 GB/s measured for it (docs/model-identity.md). A restart, a labelled or a small
+# checkpoint reads less; a node's first start of a large one is fingerprinted while the
+# engine serves (deferred_start.py).
+READ_AT_START_BYTES = 8 << 20
 
 
 def build_layout(
@@ -105,23 +112,6 @@ class StrataSpec(OffloadingSpec):
             from kvstrata.connector.ray_join import join_cluster_keeping_signals
 
             cfg = self.kvstrata_config
-            self.identity = resolve_model_identity(
-                self.config.model.name,
-                cfg.model_identity,
-                self._model_settings,
-                revision=self._model_revision,
-                cache_dir=self._download_dir,
-            )
-            self.layout = dataclasses.replace(
-                self.layout, model_identity=self.identity.digest, identity_source=self.identity.source
-            )
-            logger.info(
-                "kvstrata: model %s has identity %s (%s): namespace %s",
-                self.identity.name,
-                self.identity.short,
-                self.identity.source,
-                self.layout.namespace,
-            )
             join_cluster_keeping_signals(cfg.ray.address)
             client = RayStoreClient(ensure_node_store(cfg), cfg.engine.control_timeout_seconds)
             holder = f"{self.config.engine_id}-{os.getpid()}"
@@ -136,6 +126,15 @@ class StrataSpec(OffloadingSpec):
                     async_scheduling=self._async_scheduling,
                 )
 
+            def start_first(read_limit: int | None) -> StrataManager:
+                self._resolve_identity(read_limit)
+                return start(self.layout, holder)
+
+            def ready(manager: StrataManager) -> StrataManager:
+                """Off the engine's thread: its first slots have landed, so it stores from its first request."""
+                manager.wait_idle(cfg.engine.control_timeout_seconds)
+                return manager
+
             def start_generation(generation: int) -> StrataManager:
                 """After a connector reset: the weights may have changed in place (weight_updates.py)."""
                 updated = self.identity.updated(generation)
@@ -149,8 +148,34 @@ class StrataSpec(OffloadingSpec):
                 )  # fmt: skip
                 return start(layout, f"{holder}-g{generation}")
 
-            self._manager = WeightGenerations(start(self.layout, holder), start_generation)
+            try:
+                self._manager = WeightGenerations(start_first(READ_AT_START_BYTES), start_generation)
+            except LongRead as long:
+                logger.info(
+                    "kvstrata: fingerprinting the weights of %s reads %.2f GiB; the engine serves now, recomputing "
+                    "every prompt, and kvstrata turns on when the fingerprint is done",
+                    self.config.model.name, long.read_bytes / (1 << 30),
+                )  # fmt: skip
+                pending = DeferredStart(lambda: ready(start_first(None)))
+                self._manager = WeightGenerations(Starting(), start_generation, pending)
         return self._manager
+
+    def _resolve_identity(self, read_limit: int | None) -> None:
+        """The model's identity, and the layout namespace it makes (raises LongRead past `read_limit`)."""
+        identity = resolve_model_identity(
+            self.config.model.name,
+            self.kvstrata_config.model_identity,
+            self._model_settings,
+            revision=self._model_revision,
+            cache_dir=self._download_dir,
+            read_limit=read_limit,
+        )
+        self.identity = identity
+        self.layout = dataclasses.replace(self.layout, model_identity=identity.digest, identity_source=identity.source)
+        logger.info(
+            "kvstrata: model %s has identity %s (%s): namespace %s",
+            identity.name, identity.short, identity.source, self.layout.namespace,
+        )  # fmt: skip
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -32,7 +32,12 @@ Invariants:
   requests from chunk 0 after a reset, and every later chunk attends to the old KV).
   Recomputing it later is correct; serving it would not be;
 - a new generation that cannot be started (the store unreachable) serves misses and
-  stores nothing (`Misses`): recomputing is always correct.
+  stores nothing (`Misses`): recomputing is always correct;
+- an engine whose first manager is still being built (`deferred_start.py`: the weights'
+  fingerprint off the start path) is served by `Starting` until it is; the built one
+  takes over at the next request's arrival or step end, the requests `Starting` answered
+  for never store in it, and after a reset meanwhile it is not used at all (the weights
+  may have changed in place: the generation's own namespace is started instead).
 The new namespace is unique to the engine process: engines that applied the same
 update do not share it. An engine restarted on the updated checkpoint shares again.
 """
@@ -56,37 +61,13 @@ from kvstrata.connector.compat import (
     ScheduleEndContext,
     override,
 )
+from kvstrata.connector.deferred_start import DeferredStart, Misses
+
+__all__ = ["Misses", "WeightGenerations"]
 
 logger = logging.getLogger(__name__)
 
 RETIRE_TIMEOUT_S = 5.0
-
-
-class Misses(OffloadingManager):
-    """A manager that finds nothing and keeps nothing: the engine recomputes everything."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-
-    @property
-    def lock(self) -> threading.RLock:
-        return self._lock
-
-    @override
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return LookupResult.MISS
-
-    @override
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> Any:
-        raise AssertionError("prepare_load of a key that was never a HIT")
-
-    @override
-    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        return None
-
-    @override
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
 
 
 class WeightGenerations(OffloadingManager):
@@ -94,11 +75,18 @@ class WeightGenerations(OffloadingManager):
 
     `start(generation)` builds the manager of generation `generation` (1, 2, ...): a
     `StrataManager` over the namespace of `ModelIdentity.updated(generation)`.
+    `pending`: the first manager is being built (`first` is then a `Starting`).
     """
 
-    def __init__(self, first: OffloadingManager, start: Callable[[int], OffloadingManager]):
+    def __init__(
+        self,
+        first: OffloadingManager,
+        start: Callable[[int], OffloadingManager],
+        pending: DeferredStart | None = None,
+    ):
         self._current = first
         self._start = start
+        self._pending = pending
         self._generation = 0
         self._live: dict[str, ReqContext] = {}  # requests vLLM started and has not finished
         self._spanning: set[str] = set()  # of those, the ones running when a reset came: never stored again
@@ -125,8 +113,60 @@ class WeightGenerations(OffloadingManager):
 
     # --- the reset ----------------------------------------------------------------------
 
+    # --- the first manager, built off the start path ----------------------------------------
+
+    @property
+    def starting(self) -> bool:
+        """Whether the first manager is still being built (lookups MISS, nothing stored)."""
+        return self._pending is not None
+
+    def _adopt_first(self) -> None:
+        """Put the built first manager in place of `Starting`, if it is ready.
+
+        Called at a request's arrival and at a step's end, on the engine's thread: no call
+        of `Starting` is under way, and it holds nothing to hand over."""
+        pending = self._pending
+        if pending is None or not pending.done:
+            return
+        self._pending = None
+        starting = self._current
+        built = pending.take()
+        if built is not None and self._generation > 0:
+            # A reset came meanwhile: the weights may have changed in place, so the
+            # checkpoint's namespace is not this engine's any more.
+            thread = threading.Thread(target=_retire, args=(built,), name="kvstrata-retire", daemon=True)
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            built = None
+            try:
+                built = self._start(self._generation)
+            except Exception:  # noqa: BLE001 - the engine keeps serving, recomputing
+                logger.exception("kvstrata: could not start this engine's cache generation; it recomputes every prompt")
+        self._current = built if built is not None else Misses()
+        self._spanning.update(getattr(starting, "seen", ()))  # their first chunks were never stored
+        stats = starting.get_stats()
+        if stats is not None:
+            self._retired_stats = stats if self._retired_stats is None else self._retired_stats.aggregate(stats)
+        for req_context in self._live.values():
+            self._current.on_new_request(req_context)
+        if built is not None:
+            counters = getattr(starting, "counters", dict)()
+            logger.info(
+                "kvstrata: cache on for this engine after %.1f s: meanwhile %d lookups answered MISS and %d chunks "
+                "not stored", pending.seconds or 0.0, sum(v for k, v in counters.items() if k.startswith("lookups")),
+                sum(v for k, v in counters.items() if k.startswith("stores")),
+            )  # fmt: skip
+
+    # --- the reset ----------------------------------------------------------------------
+
     @override
     def reset_cache(self) -> None:
+        if self._pending is not None:
+            # Nothing stored yet; the manager being built serves the checkpoint's namespace,
+            # which this engine's weights may have left: `_adopt_first` starts the generation's.
+            self._spanning.update(self._live)
+            self._generation += 1
+            return
         old = self._current
         old.reset_cache()
         self._retiring.append(old)  # retired once it says vLLM flushed the jobs of the reset
@@ -208,6 +248,8 @@ class WeightGenerations(OffloadingManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self._pending is not None:
+            self._adopt_first()
         self._live[req_context.req_id] = req_context
         return self._current.on_new_request(req_context)
 
@@ -219,6 +261,8 @@ class WeightGenerations(OffloadingManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._pending is not None:
+            self._adopt_first()
         if self._retiring:
             self._step_retiring(context)
         self._current.on_schedule_end(context)
@@ -242,6 +286,9 @@ class WeightGenerations(OffloadingManager):
 
     @override
     def shutdown(self) -> None:
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
         for manager in self._retiring:
             _retire(manager)
         self._retiring = []

@@ -56,7 +56,7 @@ from kvstrata.identity.sampled import WHOLE_FILE_BYTES, sampled_digest, sampled_
 
 __all__ = [
     "CONTENT_MODES", "EXACT", "FULL", "SAMPLED", "WHOLE_FILE_BYTES", "DigestCache", "FileChanged", "Fingerprint",
-    "ModelIdentity", "checkpoint_files", "fingerprint", "fingerprint_checkpoint", "locate_checkpoint",
+    "LongRead", "ModelIdentity", "checkpoint_files", "fingerprint", "fingerprint_checkpoint", "locate_checkpoint",
     "resolve_model_identity", "sampled_ranges",
 ]  # fmt: skip
 
@@ -68,6 +68,19 @@ SAMPLED = "sampled"
 CONTENT_MODES = (EXACT, FULL, SAMPLED)
 # Files this small are hashed at every start: reading one costs what reading its cache entry would.
 REMEMBERED_MIN_BYTES = 1 << 20
+
+
+class LongRead(Exception):  # noqa: N818 - not an error: the caller asked to be told
+    """The fingerprint would read more than the caller's `read_limit`; nothing was read.
+
+    The connector asks with a limit at engine start (a restart, a small or labelled
+    checkpoint costs milliseconds) and computes a long read off the start path."""
+
+    def __init__(self, root: Path, read_bytes: int, read_limit: int):
+        super().__init__(f"fingerprinting {root} reads {read_bytes} bytes (limit {read_limit})")
+        self.root = root
+        self.read_bytes = read_bytes
+        self.read_limit = read_limit
 
 
 @dataclass(frozen=True)
@@ -135,10 +148,15 @@ class Fingerprint:
         )
 
 
-def fingerprint(root: str | Path, mode: str = EXACT, cache: DigestCache | None = None) -> Fingerprint:
+def fingerprint(
+    root: str | Path, mode: str = EXACT, cache: DigestCache | None = None, read_limit: int | None = None
+) -> Fingerprint:
     """The fingerprint of the checkpoint at `root` (a directory or one file).
 
     `cache` is used in `exact` mode only (default: the user's cache directory).
+    `read_limit`: raise LongRead, having read nothing, if the files to read whole (not
+    remembered, not yet verified by name) hold more bytes than this (`sampled` reads a
+    fixed sample of each file and is never refused).
     Raises OSError if a file cannot be read or changed while it was read
     (FileChanged), ValueError for an unknown mode or a checkpoint with no files.
     """
@@ -176,6 +194,10 @@ def fingerprint(root: str | Path, mode: str = EXACT, cache: DigestCache | None =
                     remembered += 1
                     continue
             to_hash.append(path)
+        if read_limit is not None:
+            read_bytes = sum(path.stat().st_size for path in [*claims, *to_hash])
+            if read_bytes > read_limit:
+                raise LongRead(root, read_bytes, read_limit)
         for path, (matches, key, read) in verify_names(claims.items()).items():
             hashed_bytes += read
             if not matches:
@@ -230,12 +252,14 @@ def resolve_model_identity(
     revision: str | None = None,
     cache_dir: str | None = None,
     digest_cache: DigestCache | None = None,
+    read_limit: int | None = None,
 ) -> ModelIdentity:
     """The identity of the model an engine serves, per the YAML's `model_identity`.
 
     `settings` is None when the engine's vLLM config could not be read: then only an
     explicit identity can be shared, since quantization and overrides are unknown.
-    Never raises: what cannot be computed becomes an unshared identity with a reason.
+    Never raises, except LongRead where a `read_limit` is given (see `fingerprint`):
+    what cannot be computed becomes an unshared identity with a reason.
     """
     known_settings = dict(settings or {})
     if setting not in CONTENT_MODES:
@@ -248,7 +272,7 @@ def resolve_model_identity(
     if root is None:
         return _unshared(name, known_settings, "the weights are not on a local filesystem")
     try:
-        found = fingerprint(root, setting, digest_cache)
+        found = fingerprint(root, setting, digest_cache, read_limit)
     except (OSError, ValueError) as exc:
         return _unshared(name, known_settings, f"the checkpoint at {root} could not be read ({exc})")
     logger.info("kvstrata: fingerprinted %s (%s): %s", root, setting, found.summary())

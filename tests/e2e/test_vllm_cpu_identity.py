@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,46 @@ def test_an_embedding_edit_in_place_is_another_model_and_a_copy_is_the_same(clus
     assert len({layout["identity"] for layout in layouts if str(served) in layout["models"]}) == 2
     assert any({str(served), str(copy)} <= set(layout["models"]) for layout in layouts)
     assert any(layout.get("identity_source") == "updated" for layout in layouts)
+
+
+def test_an_engine_serves_while_its_weights_are_fingerprinted_then_caches(cluster, tmp_path, monkeypatch):
+    """Issue #50, item 4: a fingerprint that would read more than the start-up limit is
+    computed while the engine serves. Until it lands every prompt is computed, right, and
+    nothing is stored; then kvstrata is on: a prompt computed afterwards is served from
+    it, bit for bit."""
+    from kvstrata.connector import spec as spec_module
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: patchable
+    monkeypatch.setattr(spec_module, "READ_AT_START_BYTES", 0)  # any checkpoint is a long read
+    release, pending = threading.Event(), []
+    resolve = spec_module.resolve_model_identity
+
+    def slow_resolve(*args, read_limit=None, **kwargs):
+        if read_limit is None:  # the deferred build: held until the test lets it finish
+            assert release.wait(120)
+        return resolve(*args, read_limit=read_limit, **kwargs)
+
+    class Recorded(spec_module.DeferredStart):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pending.append(self)
+
+    monkeypatch.setattr(spec_module, "resolve_model_identity", slow_resolve)
+    monkeypatch.setattr(spec_module, "DeferredStart", Recorded)
+    served = build_tiny_llama(tmp_path / "served", seed=12)
+    prompts = unsampled_prompts(served)
+    llm = make_llm(served, CONFIG)
+    try:
+        assert len(pending) == 1 and not pending[0].done
+        before = run_round(llm, prompts)  # served while the fingerprint is "read"
+        assert [r["cached_tokens"] for r in before] == [0, 0]
+        release.set()
+        assert pending[0].wait(120) and not pending[0].failed
+        computed = run_round(llm, prompts)  # nothing was stored before: computed again, stored now
+        assert [r["cached_tokens"] for r in computed] == [0, 0]
+        assert [r["token_ids"] for r in computed] == [r["token_ids"] for r in before]
+        third = run_round(llm, prompts)
+        assert_served_by_kvstrata(computed, third)
+    finally:
+        release.set()
+        stop(llm)
