@@ -101,6 +101,17 @@ class Disturbances:
         self.engines[engine.index] = self._start_engine(engine.index)
         return True
 
+    def act_identity(self, e: int) -> bool:
+        """The thread of a deferred start (connector/deferred_start.py) finishes: the
+        weights' fingerprint is read, the first manager registered and its first slots
+        landed; `WeightGenerations` hands over at the engine's next call."""
+        engine = self._engine(e)
+        if engine is None or not engine.identity_builds:
+            return False
+        with engine.calls_in():
+            engine.identity_builds[0].run()
+        return True
+
     def act_retire(self, e: int, r: int) -> bool:
         """An old cache generation's retiring thread runs (`WeightGenerations`): it waits
         until its channel is idle (or gives up) and shuts the old manager down."""

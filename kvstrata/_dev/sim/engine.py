@@ -35,10 +35,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstrata.connector import weight_updates
+from kvstrata.connector import deferred_start, weight_updates
 from kvstrata.protocol import Registration, StepRequest
 from kvstrata.connector.compat import LookupResult, ReqContext, ScheduleEndContext
 from kvstrata.connector.manager import StrataManager
+from kvstrata.connector.deferred_start import DeferredStart, Starting
 from kvstrata.connector.weight_updates import WeightGenerations
 from kvstrata._dev.sim.channel import SimChannel
 
@@ -122,20 +123,21 @@ class SimClient:
 
 
 class _RetireThread:
-    """`WeightGenerations` retires an old generation on a thread; in the simulation the
-    thread's run is an event of its own (`World.act_retire`), or runs when joined."""
+    """`WeightGenerations` retires an old generation on a thread, and `DeferredStart` builds
+    the first manager on one; in the simulation the thread's run is an event of its own
+    (`World.act_retire`, `World.act_identity`), or runs when joined."""
 
-    def __init__(self, engine: "SimEngine", target, args=(), name: str = "", daemon: bool = True):
-        self.engine, self.target, self.args, self.done = engine, target, args, False
+    def __init__(self, engine: "SimEngine", queue: list, target, args=(), name: str = "", daemon: bool = True):
+        self.engine, self.queue, self.target, self.args, self.done = engine, queue, target, args, False
 
     def start(self) -> None:
-        self.engine.retirements.append(self)
+        self.queue.append(self)
 
     def run(self) -> None:
         if not self.done:
             self.done = True
-            if self in self.engine.retirements:
-                self.engine.retirements.remove(self)
+            if self in self.queue:
+                self.queue.remove(self)
             self.target(*self.args)
 
     def is_alive(self) -> bool:
@@ -147,15 +149,17 @@ class _RetireThread:
 
 
 class _SimThreading:
-    """What `weight_updates` sees as `threading` while a simulated engine calls it."""
+    """What `weight_updates` (and `deferred_start`) see as `threading` while a simulated
+    engine calls them: a thread started is queued in `queue`, run at an event."""
 
     RLock = staticmethod(threading.RLock)
+    Lock = staticmethod(threading.Lock)
 
-    def __init__(self, engine: "SimEngine"):
-        self.engine = engine
+    def __init__(self, engine: "SimEngine", queue: list):
+        self.engine, self.queue = engine, queue
 
     def Thread(self, target, args=(), name: str = "", daemon: bool = True) -> _RetireThread:  # noqa: N802
-        return _RetireThread(self.engine, target, args, name, daemon)
+        return _RetireThread(self.engine, self.queue, target, args, name, daemon)
 
 
 @dataclass(eq=False)
@@ -180,12 +184,25 @@ class SimEngine:
     preempted: list[str] = field(default_factory=list)  # request ids for the next on_schedule_end
     retirements: list[_RetireThread] = field(default_factory=list)  # old generations waiting to retire
     resets: int = 0
+    deferred: bool = False  # the first manager is built off the start path (deferred_start.py)
+    identity_builds: list[_RetireThread] = field(default_factory=list)  # that build, until it runs
 
     def __post_init__(self) -> None:
         self.client = SimClient(self.world, self)
         self.channels: list[SimChannel] = []
         self.strata: list[StrataManager] = []  # every manager (generation) this engine built, oldest first
-        first = self._start(self.world.layout_for(self.index), self.holder)
+        layout = self.world.layout_for(self.index)
+        if self.deferred:  # served by `Starting` until `World.act_identity` runs the build
+            saved = deferred_start.threading
+            deferred_start.threading = _SimThreading(self, self.identity_builds)
+            try:
+                pending = DeferredStart(lambda: self._start(layout, self.holder), clock=self.world.clock)
+            finally:
+                deferred_start.threading = saved
+            self.manager = WeightGenerations(Starting(), self._start_generation, pending)
+            self.weights = layout.namespace
+            return
+        first = self._start(layout, self.holder)
         self.manager = WeightGenerations(first, self._start_generation) if self.generations else first
         self.weights = first.namespace
 
@@ -213,9 +230,11 @@ class SimEngine:
         return channel
 
     @property
-    def channel(self) -> SimChannel:
-        """The current generation's channel (the first engine's only one)."""
-        return self.current._channel if self.current is not None else self.channels[-1]
+    def channel(self) -> SimChannel | None:
+        """The current generation's channel (the first engine's only one; None before any)."""
+        if self.current is not None:
+            return self.current._channel
+        return self.channels[-1] if self.channels else None
 
     @property
     def current(self) -> StrataManager | None:
@@ -235,7 +254,7 @@ class SimEngine:
             yield
             return
         saved = weight_updates.threading
-        weight_updates.threading = _SimThreading(self)
+        weight_updates.threading = _SimThreading(self, self.retirements)
         try:
             yield
         finally:
@@ -310,6 +329,7 @@ class SimEngine:
         self.alive = False
         self.copies.clear()
         self.retirements.clear()  # (the retiring thread dies with the process)
+        self.identity_builds.clear()  # (and a fingerprint being read)
         for channel in self.channels:
             channel.close()
 

@@ -57,6 +57,7 @@ def config_for(seed: int, purge_and_disk_races: bool = True, reach: bool = True)
         config = replace(
             config, tenants=rng.choice((1, 2)), anchors=rng.random() < 0.4, disk_admission=rng.choice(("chain", "always"))
         )
+        config = replace(config, deferred=tuple(rng.random() < 0.3 for _ in range(engines)))  # (#50 item 4)
     return config
 
 
@@ -88,6 +89,8 @@ class Explorer:
                     options.append((0.2, lambda e=e: ("fail_copy", e, rng.randrange(1 << 16))))
             if engine.retirements:
                 options.append((3.0, lambda e=e: ("retire", e, rng.randrange(1 << 16))))
+            if engine.identity_builds:
+                options.append((1.0, lambda e=e: ("identity", e)))
             if engine.running and world.config.hints:
                 options.append((0.3, lambda e=e: ("preempt", e, rng.randrange(1 << 16))))
             if world.config.hints:

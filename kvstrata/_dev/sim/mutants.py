@@ -203,6 +203,21 @@ MUTANTS += [
         "6141956: a batch needing several evictions never takes a dependent its anchor dropped (#51 finding 12)",
         "scenario:hybrid-disk-batch-evicts-several",
     ),
+    Mutant(
+        "retention-share-of-unknown-tenants", "kvstrata/tiers/retention.py",
+        "held = self._share_used(self._tenant_of(namespace))",
+        "held = self._held_by(self._tenant_of(namespace))",
+        "86355cb: a namespace's retentions before its tenant is known leave room in every share (found at seed 124)",
+        "scenario:retention-share-before-the-tenant-is-known",
+    ),
+    # --- issue #50 item 4: the fingerprint off the start path (16a0d61) --------------------
+    Mutant(
+        "deferred-start-reset-starts-the-generation", GENERATIONS,
+        "if built is not None and self._generation > 0:",
+        "if False:",
+        "16a0d61: a reset while the first manager is built: the checkpoint's namespace is not used",
+        "scenario:reset-while-the-fingerprint-is-read",
+    ),
 ]
 
 # Reverted fixes the simulation does not find within the CI budget (none at present). The

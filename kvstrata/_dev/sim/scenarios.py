@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from kvstrata._dev.sim.scenarios_fixes import FIXES
 from kvstrata._dev.sim.scenarios_hints import HINTS
+from kvstrata._dev.sim.scenarios_start import START
 from kvstrata._dev.sim.script import QUIET, Script
 from kvstrata._dev.sim.script import run as _run
 from kvstrata._dev.sim.world import SimConfig
@@ -237,4 +238,5 @@ SCENARIOS: dict[str, Callable[[], list[str]]] = {
     "stalled-store-holds-requests": stalled_store_holds_requests,
     **FIXES,
     **HINTS,
+    **START,
 }

@@ -39,6 +39,29 @@ def hybrid_disk_batch_evicts_several() -> list[str]:
     return run(config, story)
 
 
+def retention_share_before_the_tenant_is_known() -> list[str]:
+    """Found by the 10^7-event run (seed 124, shrunk to these 8 actions; mutant
+    `retention-share-of-unknown-tenants`). The store restarts; engine 0 resets (a new
+    generation: its namespace registers at once, its tenant known) while engine 1's
+    namespace is not registered again yet. Both send `kv.retain` hints: engine 1's were
+    admitted against no tenant's share, and once its namespace registered the one tenant
+    held 13 retentions of a share of 12."""
+
+    def story(s: Script) -> None:
+        for action in (("restart",), ("reset", 0), ("hint", 0, 2, 14, 812), ("hints",), ("hint", 0, 3, 2, 906),
+                       ("hint", 1, 3, 5, 511), ("hints",), ("hints",)):  # fmt: skip
+            s.do(*action)
+        reached(len(s.w.store.hints._retention) >= 12, "retentions from two namespaces of one tenant")
+
+    config = SimConfig(
+        engines=2, arena_slots=24, disk_records=16, disk_policy="write_back", object_policy="write_through",
+        reserve_slots=4, flush_signal=(True, False), purge_and_disk_races=True, generations=(True, False),
+        async_scheduling=(False, True), hints=True,
+    )  # fmt: skip
+    return run(config, story)
+
+
 HINTS: dict[str, Callable[[], list[str]]] = {
     "hybrid-disk-batch-evicts-several": hybrid_disk_batch_evicts_several,
+    "retention-share-before-the-tenant-is-known": retention_share_before_the_tenant_is_known,
 }

@@ -48,7 +48,8 @@ class Script:
     def settle(self, e: int) -> None:
         """Round trips until the engine has nothing left to say."""
         for _ in range(8):
-            if not self.w.engines[e].channel.busy():
+            channel = self.w.engines[e].channel
+            if channel is None or not channel.busy():  # (None: a deferred start not landed yet)
                 return
             self.round_trip(e)
 

@@ -91,6 +91,9 @@ class SimConfig:
     # worker copies, failed stores, preemption, hints (prefetch, pins, retention) from
     # two tenants, hybrid anchor groups.
     generations: tuple[bool, ...] = (False,)  # per engine: wrapped in WeightGenerations
+    # per engine (with generations): the first manager is built off the start path, the
+    # weights' fingerprint read meanwhile (connector/deferred_start.py): an event lands it
+    deferred: tuple[bool, ...] = (False,)
     async_scheduling: tuple[bool, ...] = (False,)  # per engine
     copy_steps: int = 2  # a copy lands before the engine's step this many after it was prepared
     copy_seconds: float = COPY_SECONDS  # ... and at most this long after (late copies: up to half a lease)
@@ -248,7 +251,8 @@ class World(HintActions, Disturbances):
         flush = c.flush_signal[index % len(c.flush_signal)]
         generations = c.generations[index % len(c.generations)]
         async_scheduling = c.async_scheduling[index % len(c.async_scheduling)]
-        return SimEngine(self, index, holder, flush, generations, async_scheduling)
+        deferred = generations and c.deferred[index % len(c.deferred)]
+        return SimEngine(self, index, holder, flush, generations, async_scheduling, deferred=deferred)
 
     def close(self) -> None:
         for engine in self.engines:
