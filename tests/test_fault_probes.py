@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import os
 
-from kvstrata._dev.faults.probes import ProcessSample, arena_fd_bound, fd_kinds, growth_problems, sample_process
+from kvstrata._dev.faults.probes import (
+    ProcessSample,
+    arena_fd_bound,
+    fd_kinds,
+    growth_problems,
+    object_pool_fd_bound,
+    object_pool_growth,
+    sample_process,
+)
 from kvstrata.keys import make_key
 from kvstrata.tiers.arena import Arena
 
@@ -51,3 +59,28 @@ def test_descriptors_beyond_the_arena_bound_or_besides_it_still_leak():
     assert growth_problems(before, over, arena_fds_bound=80) == ["store arena descriptors 82 over the arena's bound 80"]
     sockets = ProcessSample(1, 100 << 20, fds=96 + 25, threads=26, arena_fds=44)  # 25 more of something else
     assert growth_problems(before, sockets, arena_fds_bound=80) == ["store fds besides the arena's 52->77"]
+
+
+def test_the_object_clients_pool_is_held_to_its_own_bound_not_the_tolerance():
+    """The full matrix of 28 Nov 2026: five object rows grew 25-49 descriptors besides the
+    arena's, all of them pyarrow's pooled S3 connections (+8 to +17, to the endpoint) and
+    their anonymous inodes (+18 to +32): a pool that fills up to the tier's concurrency."""
+    before = ProcessSample(1, 100 << 20, fds=93, threads=26, arena_fds=40)
+    after = ProcessSample(1, 100 << 20, fds=142, threads=26, arena_fds=40)
+    kinds_before = {"tcp 127.0.0.1:9000 ESTABLISHED": 1, "anon_inode:[eventfd]": 10}
+    kinds_after = {"tcp 127.0.0.1:9000 ESTABLISHED": 18, "anon_inode:[eventfd]": 42}  # +17 and +32
+    pool = object_pool_growth(kinds_before, kinds_after, 9000)
+    assert pool == 17 + 32
+    assert growth_problems(before, after, arena_fds_bound=80) == ["store fds besides the arena's 53->102"]  # the old check
+    assert growth_problems(before, after, arena_fds_bound=80, object_pool=(pool, object_pool_fd_bound(16))) == []
+    # A leak beside the pool still shows, and so does a pool past the tier's concurrency.
+    leaky = ProcessSample(1, 100 << 20, fds=142 + 25, threads=26, arena_fds=40)
+    assert growth_problems(before, leaky, arena_fds_bound=80, object_pool=(pool, object_pool_fd_bound(16))) == [
+        "store fds besides the arena's and the object pool 53->78"
+    ]
+    assert growth_problems(before, after, arena_fds_bound=80, object_pool=(pool, object_pool_fd_bound(4))) == [
+        "object client pool descriptors +49 over its bound 15"
+    ]
+    # Inodes count as the pool's only up to two per connection to the endpoint.
+    assert object_pool_growth({}, {"tcp 127.0.0.1:9000 ESTABLISHED": 2, "anon_inode:[eventfd]": 30}, 9000) == 6
+    assert object_pool_growth({}, {"tcp 127.0.0.1:8000 ESTABLISHED": 5, "anon_inode:[eventfd]": 30}, 9000) == 0

@@ -31,6 +31,7 @@ from typing import Any
 
 from kvstrata._dev.faults import diagnose, load
 from kvstrata._dev.faults.context import RowContext
+from kvstrata.config import ObjectTierConfig
 from kvstrata._dev.faults.probes import (
     ProcessSample,
     arena_fd_bound,
@@ -39,6 +40,8 @@ from kvstrata._dev.faults.probes import (
     fd_kinds,
     growth_problems,
     kinds_growth,
+    object_pool_fd_bound,
+    object_pool_growth,
     sample_process,
 )
 from kvstrata._dev.faults.rows import (
@@ -335,7 +338,14 @@ def run_row(
         baseline_kinds = control.store_fd_kinds if use_control else before_kinds
         if baseline and after:
             arena = config["tiers"]["cpu"]
-            grown = growth_problems(baseline, after, arena_fds_bound=arena_fd_bound(arena["capacity"], arena["segment_size"]))
+            pool = None
+            if "object" in config["tiers"] and ctx.proxy is not None:  # every object row's endpoint is the proxy
+                concurrency = config["tiers"]["object"].get("max_concurrency", ObjectTierConfig().max_concurrency)
+                grown_pool = object_pool_growth(baseline_kinds or {}, after_kinds or {}, ctx.proxy.port)
+                pool = (grown_pool, object_pool_fd_bound(concurrency))
+            grown = growth_problems(
+                baseline, after, arena_fds_bound=arena_fd_bound(arena["capacity"], arena["segment_size"]), object_pool=pool
+            )
             result.leaks += grown
             if diagnose_leaks or any("fds" in problem or "descriptors" in problem for problem in grown):
                 result.notes.append(f"store descriptors since the baseline: {kinds_growth(baseline_kinds, after_kinds)}")

@@ -86,25 +86,63 @@ class GrowthLimits:
     threads: int = 8
 
 
+# A pooled connection of the object client (pyarrow's S3 client: the AWS SDK over libcurl)
+# holds its TCP socket and two anonymous inodes (its handle's eventfd and epoll). Measured
+# in the full matrix of 28 Nov 2026 at max_concurrency 16: +8 to +17 connections to the
+# endpoint and +18 to +32 anonymous inodes per object row, kept after the row (the pool).
+OBJECT_POOL_FDS_PER_CONNECTION = 3
+
+
+def object_pool_growth(before: dict[str, int], after: dict[str, int], endpoint_port: int) -> int:
+    """Descriptors the object client's connection pool added between two `fd_kinds`: its
+    connections to the endpoint, and anonymous inodes up to two per such connection."""
+
+    def grown(match) -> int:
+        return sum(after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after) if match(k))
+
+    connections = max(0, grown(lambda kind: kind.startswith(f"tcp 127.0.0.1:{endpoint_port} ")))
+    inodes = max(0, grown(lambda kind: kind.startswith("anon_inode")))
+    return connections + min(inodes, 2 * connections)
+
+
+def object_pool_fd_bound(max_concurrency: int) -> int:
+    """The most descriptors the object client's pool may hold: a connection per request in
+    flight (`max_concurrency`) and one for listing, each with its inodes."""
+    return OBJECT_POOL_FDS_PER_CONNECTION * (max_concurrency + 1)
+
+
 def growth_problems(
-    before: ProcessSample, after: ProcessSample, limits: GrowthLimits = GrowthLimits(), arena_fds_bound: int | None = None
+    before: ProcessSample,
+    after: ProcessSample,
+    limits: GrowthLimits = GrowthLimits(),
+    arena_fds_bound: int | None = None,
+    object_pool: tuple[int, int] | None = None,
 ) -> list[str]:
     """Why `after` looks like a leak compared with `before` (empty when it does not).
 
     The arena's segment descriptors are held to their own exact bound (`arena_fd_bound`),
     not to the growth tolerance: an arena opens its segments as it fills, whenever a row
-    fills it (two engines racing fill a doubled arena in round 1 or only in recovery)."""
+    fills it (two engines racing fill a doubled arena in round 1 or only in recovery).
+    So is the object client's connection pool: `object_pool` is (descriptors it added,
+    `object_pool_fd_bound`); it fills up to the tier's concurrency when a row is busy
+    enough, and keeps its connections."""
     problems = []
+    pool_growth = 0
+    if object_pool is not None:
+        pool_growth, pool_bound = object_pool
+        if pool_growth > pool_bound:
+            problems.append(f"object client pool descriptors +{pool_growth} over its bound {pool_bound}")
     if after.rss_bytes - before.rss_bytes > limits.rss_bytes:
         problems.append(f"store RSS +{(after.rss_bytes - before.rss_bytes) >> 20} MiB")
     if arena_fds_bound is not None and after.arena_fds > arena_fds_bound:
         problems.append(f"store arena descriptors {after.arena_fds} over the arena's bound {arena_fds_bound}")
     if arena_fds_bound is not None:
-        before_other, after_other = before.fds - before.arena_fds, after.fds - after.arena_fds
+        before_other, after_other = before.fds - before.arena_fds, after.fds - after.arena_fds - pool_growth
         if after_other - before_other > limits.fds:
-            problems.append(f"store fds besides the arena's {before_other}->{after_other}")
-    elif after.fds - before.fds > limits.fds:
-        problems.append(f"store fds {before.fds}->{after.fds}")
+            problems.append(f"store fds besides the arena's{' and the object pool' if pool_growth else ''} "
+                            f"{before_other}->{after_other}")  # fmt: skip
+    elif after.fds - pool_growth - before.fds > limits.fds:
+        problems.append(f"store fds {before.fds}->{after.fds - pool_growth}")
     if after.threads - before.threads > limits.threads:
         problems.append(f"store threads {before.threads}->{after.threads}")
     return problems
