@@ -1,6 +1,6 @@
 """What disturbs a simulated node, as actions of its world (a mixin of `World`): engines
-that pause, crash, reset (and, under `WeightGenerations`, retire old generations), a
-request preempted, a store copy that fails, weight updates, store
+that pause, crash, reset (and, under `WeightGenerations`, retire old generations, or
+finish a deferred start's fingerprint: `identity`), a request preempted, a store copy that fails, weight updates, store
 stalls and restarts, another node's burst, a lost registration answer; and `Swallowed`,
 which tells a background job that logged and swallowed an exception.
 
