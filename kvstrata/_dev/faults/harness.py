@@ -340,7 +340,8 @@ def run_row(
             arena = config["tiers"]["cpu"]
             pool = None
             if "object" in config["tiers"] and ctx.proxy is not None:  # every object row's endpoint is the proxy
-                concurrency = config["tiers"]["object"].get("max_concurrency", ObjectTierConfig().max_concurrency)
+                default = ObjectTierConfig.model_fields["max_concurrency"].default
+                concurrency = config["tiers"]["object"].get("max_concurrency", default)
                 grown_pool = object_pool_growth(baseline_kinds or {}, after_kinds or {}, ctx.proxy.port)
                 pool = (grown_pool, object_pool_fd_bound(concurrency))
             grown = growth_problems(
