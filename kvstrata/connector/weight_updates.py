@@ -61,7 +61,13 @@ from kvstrata.connector.compat import (
     ScheduleEndContext,
     override,
 )
-from kvstrata.connector.deferred_start import DeferredStart, Misses
+from kvstrata.connector.deferred_start import (
+    LOOKUPS_BEFORE_CACHE_ON,
+    STORES_BEFORE_CACHE_ON,
+    DeferredStart,
+    Misses,
+    Starting,
+)
 
 __all__ = ["Misses", "WeightGenerations"]
 
@@ -111,8 +117,6 @@ class WeightGenerations(OffloadingManager):
     def lock(self) -> Any:
         return self._current.lock
 
-    # --- the reset ----------------------------------------------------------------------
-
     # --- the first manager, built off the start path ----------------------------------------
 
     @property
@@ -134,27 +138,19 @@ class WeightGenerations(OffloadingManager):
         if built is not None and self._generation > 0:
             # A reset came meanwhile: the weights may have changed in place, so the
             # checkpoint's namespace is not this engine's any more.
-            thread = threading.Thread(target=_retire, args=(built,), name="kvstrata-retire", daemon=True)
-            thread.start()
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            built = None
-            try:
-                built = self._start(self._generation)
-            except Exception:  # noqa: BLE001 - the engine keeps serving, recomputing
-                logger.exception("kvstrata: could not start this engine's cache generation; it recomputes every prompt")
+            self._retire_in_background(built)
+            built = self._start_or_misses(self._generation)
         self._current = built if built is not None else Misses()
-        self._spanning.update(getattr(starting, "seen", ()))  # their first chunks were never stored
-        stats = starting.get_stats()
-        if stats is not None:
-            self._retired_stats = stats if self._retired_stats is None else self._retired_stats.aggregate(stats)
+        assert isinstance(starting, Starting)  # what serves while `_pending` is set
+        self._spanning.update(starting.seen)  # their first chunks were never stored
+        self._keep_stats(starting)
         for req_context in self._live.values():
             self._current.on_new_request(req_context)
-        if built is not None:
-            counters = getattr(starting, "counters", dict)()
+        if not isinstance(self._current, Misses):  # (Starting is one too)
+            counters = starting.counters()
             logger.info(
                 "kvstrata: cache on for this engine after %.1f s: meanwhile %d lookups answered MISS and %d chunks "
-                "not stored", pending.seconds or 0.0, sum(v for k, v in counters.items() if k.startswith("lookups")),
-                sum(v for k, v in counters.items() if k.startswith("stores")),
+                "not stored", pending.seconds or 0.0, counters[LOOKUPS_BEFORE_CACHE_ON], counters[STORES_BEFORE_CACHE_ON],
             )  # fmt: skip
 
     # --- the reset ----------------------------------------------------------------------
@@ -172,14 +168,7 @@ class WeightGenerations(OffloadingManager):
         self._retiring.append(old)  # retired once it says vLLM flushed the jobs of the reset
         self._spanning.update(self._live)
         self._generation += 1
-        try:
-            self._current = self._start(self._generation)
-        except Exception:  # noqa: BLE001 - the engine keeps serving, recomputing
-            logger.exception(
-                "kvstrata: could not start a new cache generation after a reset; this engine recomputes every "
-                "prompt until it restarts"
-            )
-            self._current = Misses()
+        self._current = self._start_or_misses(self._generation)
         for req_context in self._live.values():  # requests that go on across the reset
             self._current.on_new_request(req_context)
 
@@ -201,13 +190,32 @@ class WeightGenerations(OffloadingManager):
             if not settled:
                 still.append(manager)
                 continue
-            stats = manager.get_stats()
-            if stats is not None:
-                self._retired_stats = stats if self._retired_stats is None else self._retired_stats.aggregate(stats)
-            thread = threading.Thread(target=_retire, args=(manager,), name="kvstrata-retire", daemon=True)
-            thread.start()
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            self._keep_stats(manager)
+            self._retire_in_background(manager)
         self._retiring = still
+
+    def _start_or_misses(self, generation: int) -> OffloadingManager:
+        """The manager of `generation`; `Misses` if it cannot be started (the engine keeps
+        serving, recomputing)."""
+        try:
+            return self._start(generation)
+        except Exception:  # noqa: BLE001 - the engine keeps serving, recomputing
+            logger.exception(
+                "kvstrata: could not start a new cache generation; this engine recomputes every prompt until it restarts"
+            )
+            return Misses()
+
+    def _keep_stats(self, manager: OffloadingManager) -> None:
+        """An old manager's last stats, reported with the current one's next (counters add up)."""
+        stats = manager.get_stats()
+        if stats is not None:
+            self._retired_stats = stats if self._retired_stats is None else self._retired_stats.aggregate(stats)
+
+    def _retire_in_background(self, manager: OffloadingManager) -> None:
+        """Shut an old manager down on a thread this object owns (`wait_retired`, `shutdown`)."""
+        thread = threading.Thread(target=_retire, args=(manager,), name="kvstrata-retire", daemon=True)
+        thread.start()
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
     def wait_retired(self, timeout_s: float = 10.0) -> bool:
         """Wait until every old generation that could retire has shut down. Never used by vLLM."""

@@ -159,20 +159,25 @@ class RetentionTable:
         namespace's tenant at its first registration), which may turn out to be its. For
         an unknown tenant, the most any known tenant holds: whichever tenant the namespace
         turns out to be, it holds its share at most (found by the simulation, seed 124)."""
-        per_tenant: dict[str | None, int] = {}
-        for namespace, count in self._by_namespace.items():
-            owner = self._tenant_of(namespace)
-            per_tenant[owner] = per_tenant.get(owner, 0) + count
+        per_tenant = self._counts_by_tenant()
         unknown = per_tenant.pop(None, 0)
         if tenant is None:
             return unknown + max(per_tenant.values(), default=0)
         return per_tenant.get(tenant, 0) + unknown
 
     def _held_by(self, tenant: str | None) -> int:
-        """Entries of the tenant's namespaces, each namespace counted as the tenant's now: a store
-        learns a namespace's tenant at its first registration, and retentions that reached it
-        before (a restarted store) count in that tenant's share from then on (callers hold the lock)."""
-        return sum(count for namespace, count in self._by_namespace.items() if self._tenant_of(namespace) == tenant)
+        """Entries of the tenant's namespaces (callers hold the lock)."""
+        return self._counts_by_tenant().get(tenant, 0)
+
+    def _counts_by_tenant(self) -> dict[str | None, int]:
+        """Entries per tenant, each namespace counted as its tenant's now: a store learns a
+        namespace's tenant at its first registration, and retentions that reached it before
+        (a restarted store) count in that tenant's share from then on."""
+        counts: dict[str | None, int] = {}
+        for namespace, count in self._by_namespace.items():
+            owner = self._tenant_of(namespace)
+            counts[owner] = counts.get(owner, 0) + count
+        return counts
 
     def priority(self, namespace: str, key: bytes) -> int:
         """The live priority of a chunk: 0 when not retained or expired."""
