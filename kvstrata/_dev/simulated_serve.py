@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ray.llm._internal.common.callbacks.base import CallbackBase
+
 from kvstrata.actors.serve import NodeStoreCallback
 from kvstrata._dev.testing import serve_engine_shared_memory, wait_until_serving
 
@@ -42,6 +44,13 @@ class LocalModelCallback(NodeStoreCallback):
 
     async def on_before_node_init(self) -> None:
         await super().on_before_node_init()
+        self.ctx.run_init_node = False
+
+
+class LocalModelOnly(CallbackBase):
+    """No kvstrata, and no model download (as `LocalModelCallback`): the systems kvstrata is compared with."""
+
+    async def on_before_node_init(self) -> None:
         self.ctx.run_init_node = False
 
 
@@ -75,15 +84,23 @@ def llm_config(
     engine_kwargs: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     connector: Mapping[str, Any] | None = None,
+    kv_transfer: Mapping[str, Any] | None = None,
 ) -> Any:
     """The Serve LLM config: kvstrata as KV connector (`connector`: more of its extra config,
     e.g. `block_size`, tokens per chunk), its node-store callback, `replicas` replicas, and
-    `router` as `request_router_config` (None: Serve's default)."""
+    `router` as `request_router_config` (None: Serve's default).
+
+    `tier_config` None: no kvstrata and no node store; the engines get `kv_transfer` as
+    their `kv_transfer_config` (None: no offloading) -- the systems kvstrata is compared with."""
     from ray.serve.llm import LLMConfig
 
     deployment: dict[str, Any] = {"num_replicas": replicas}
     if router is not None:
         deployment["request_router_config"] = dict(router)
+    if tier_config is not None:
+        extra = {"spec_name": "StrataSpec", "spec_module_path": "kvstrata.connector", "config": tier_config, **(connector or {})}
+        kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    callback = "LocalModelCallback" if tier_config is not None else "LocalModelOnly"
     return LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": model_source},
         engine_kwargs={
@@ -93,18 +110,9 @@ def llm_config(
             "enforce_eager": True,
             "enable_prompt_tokens_details": True,
             **(engine_kwargs or {}),
-            "kv_transfer_config": {
-                "kv_connector": "OffloadingConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "spec_name": "StrataSpec",
-                    "spec_module_path": "kvstrata.connector",
-                    "config": tier_config,
-                    **(connector or {}),
-                },
-            },
+            **({"kv_transfer_config": dict(kv_transfer)} if kv_transfer is not None else {}),
         },
-        callback_config={"callback_class": "kvstrata._dev.simulated_serve:LocalModelCallback"},
+        callback_config={"callback_class": f"kvstrata._dev.simulated_serve:{callback}"},
         placement_group_config={"bundles": [{"CPU": 1}]},
         deployment_config=deployment,
         runtime_env={"env_vars": {**CPU_ENV, "RAY_ADDRESS": ray_address, **(env or {})}},
@@ -171,6 +179,7 @@ def serve_app(
     env: Mapping[str, str] | None = None,
     connector: Mapping[str, Any] | None = None,
     timeout_s: float = 300,
+    kv_transfer: Mapping[str, Any] | None = None,
 ) -> Iterator[ServedApp]:
     """The app served on an already connected cluster (`simulated_cluster`), one replica per
     node; on exit Serve, the stores (also ones the caller made before), the directory and
@@ -180,8 +189,9 @@ def serve_app(
     from ray.serve.llm import build_openai_app
 
     config = llm_config(
-        model_source, model_id, tier_config, len(nodes), os.environ["RAY_ADDRESS"], router, engine_kwargs, env, connector
-    )
+        model_source, model_id, tier_config, len(nodes), os.environ["RAY_ADDRESS"], router, engine_kwargs, env, connector,
+        kv_transfer,
+    )  # fmt: skip
     port = free_port()
     app: ServedApp | None = None
     try:
@@ -231,20 +241,31 @@ def stream_chat(
 ) -> dict[str, Any]:
     """One greedy, streamed chat completion: its text, usage (with `cached_tokens`) and
     time to first token (seconds from sending to the first streamed chunk)."""
+    body = {"model": model_id, "messages": messages, "max_tokens": max_tokens}
+    return _stream(f"{base_url}/v1/chat/completions", body, request_id, timeout_s)
+
+
+def stream_completion(
+    base_url: str,
+    model_id: str,
+    prompt: str,
+    max_tokens: int = 8,
+    request_id: str | None = None,
+    timeout_s: float = 300,
+) -> dict[str, Any]:
+    """One greedy, streamed completion of a raw prompt (no chat template): as `stream_chat`."""
+    body = {"model": model_id, "prompt": prompt, "max_tokens": max_tokens}
+    return _stream(f"{base_url}/v1/completions", body, request_id, timeout_s)
+
+
+def _stream(url: str, body: dict[str, Any], request_id: str | None, timeout_s: float) -> dict[str, Any]:
     import json
     import time
     import urllib.request
 
-    body = {
-        "model": model_id,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = {**body, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     headers = {"Content-Type": "application/json", **({"x-request-id": request_id} if request_id else {})}
-    request = urllib.request.Request(f"{base_url}/v1/chat/completions", json.dumps(body).encode(), headers)
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
     started = time.perf_counter()
     first: float | None = None
     text: list[str] = []
@@ -259,5 +280,5 @@ def stream_chat(
             chunk = json.loads(line[len("data:") :])
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
-                text.append((choice.get("delta") or {}).get("content") or "")
+                text.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
     return {"ttft": first, "text": "".join(text), "usage": usage}
