@@ -18,7 +18,7 @@ What runs, on this machine only (loopback):
   `--hidden` (4 layers, 2 KV heads of 32, float32: 2 KiB of KV a token), vLLM's own KV
   cache capped at 128 blocks of 32 tokens (HBM is a small share of host memory).
 - `kvstrata`: arena + disk + bucket per node, default admission (disk `chain` with its
-  head scaled as the blocks are: 8192 of 512-token tokens is 128 of 8), peers and disks
+  head scaled as the blocks are: 8192 tokens of 512-token blocks is 512 of 32), peers and disks
   slowed to the routing benchmark's multiples of break-even and the bucket capped below
   it (benchmarks/routing.py says why: on one machine they are hundreds of times faster
   than this CPU recomputes, on a GPU node a few times).
