@@ -295,8 +295,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=8, help="output tokens at most (the trace's, scaled)")
     p.add_argument("--dram-share", type=float, default=0.05, help="host memory per engine, share of the window's distinct blocks")
     p.add_argument("--disk-share", type=float, default=0.20, help="disk per node, share of the window's distinct blocks")
-    p.add_argument("--hidden", type=int, default=512, help="the model's hidden size (sets its prefill cost)")
-    p.add_argument("--prefill-guess", type=float, default=3000.0,
+    p.add_argument("--hidden", type=int, default=256, help="the model's hidden size (sets its prefill cost)")
+    p.add_argument("--prefill-guess", type=float, default=5000.0,
                    help="tokens/s an engine prefills here (sets the peer, disk and bucket caps; the measured rate is printed)")
     p.add_argument("--peer-x", type=float, default=3.0, help="peer bandwidth, times break-even")
     p.add_argument("--disk-x", type=float, default=2.5, help="disk read bandwidth, times break-even")
