@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvstrata.store.node_store import NodeStore
+from kvstrata.actors.node_actor import NodeStoreActor
 
 CHUNK_TOKENS = 256
 HIDDEN, LAYERS, KV_HEADS = 1024, 4, 2
@@ -75,10 +75,16 @@ ROUTERS = {
 }
 
 
-class SlowStore(NodeStore):
+class SlowStore(NodeStoreActor):
     """A node store whose peer fetches and disk reads take as long as links of the given
     bandwidth and latency would (see the module's docstring): each sleeps on its own I/O
-    thread what it owes after the real transfer."""
+    thread what it owes after the real transfer.
+
+    The actor's class, not the in-process core (`kvstrata.store.NodeStore`): only the
+    actor resolves the bucket's credentials and links the peers (from 27 Nov, when the
+    store was split into parts, until 28 Nov this extended the core, and every store of
+    this benchmark and `trace_replay.py engines` ran with no peers and a bucket that
+    refused its placeholder key)."""
 
     def __init__(self, config: Any, node_id: str, peer: tuple[float, float], disk: tuple[float, float]):
         super().__init__(config, node_id)

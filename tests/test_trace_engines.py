@@ -6,6 +6,7 @@ whole chunks the way vLLM caches them."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -91,3 +92,13 @@ def test_the_prediction_counts_whole_chunks_as_vllm_caches_them(engines):
     assert chunked[0].hash_ids[0] == chunked[1].hash_ids[0] != chunked[2].hash_ids[0]
     predicted = engines.predicted_hit_ratio(prompts, rows, args, arena_chunks=64, disk_chunks=64)
     assert predicted == {"hit_ratio": 32 / (32 + 64 + 56), "ceiling": 32 / (32 + 64 + 56)}
+
+
+def test_the_benchmarks_stores_are_the_actor_with_its_cluster(engines):
+    """routing.py's SlowStore (also trace_replay.py engines' store) runs as a Ray actor: it
+    must be the actor's class, which resolves the bucket's credentials and links the
+    peers. Extending the in-process core instead ran every store with neither."""
+    from kvstrata.actors.node_actor import NodeStoreActor
+
+    routing = importlib.import_module("routing")
+    assert issubclass(routing.SlowStore, NodeStoreActor)
