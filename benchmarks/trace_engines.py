@@ -207,7 +207,7 @@ def run_system(name: str, args: argparse.Namespace, model: Path, nodes: list[str
                 "tiers": {
                     "cpu": {"capacity": sizes["arena_chunks"] * SLOT, "segment_size": 16 * SLOT},
                     "disk": {"path": str(workdir / f"disk-{(node or 'engine')[:12]}"), "capacity": sizes["disk_chunks"] * (SLOT + HEADER_BYTES)},
-                    "object": {**bucket, "url": "s3://kvstrata/trace-engines"},
+                    **({} if args.no_bucket else {"object": {**bucket, "url": "s3://kvstrata/trace-engines"}}),
                 },
                 "admission": {"store": {"head_tokens": head}},
                 "cluster": {"directory_shards": 2, "sync_seconds": 0.1},
@@ -301,6 +301,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-x", type=float, default=3.0, help="peer bandwidth, times break-even")
     p.add_argument("--disk-x", type=float, default=2.5, help="disk read bandwidth, times break-even")
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--no-bucket", action="store_true", help="kvstrata without its object tier (arena, disk, peers)")
     p.add_argument("--json", type=Path, default=None)
 
 
