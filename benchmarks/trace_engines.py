@@ -3,7 +3,7 @@ Ray Serve, kvstrata beside vLLM's own CPU offloading and no offloading, in one r
 
     PYTHONPATH=$PWD python benchmarks/trace_replay.py engines [--trace FILE] [--minutes 5]
         [--compress 1] [--block-tokens 32] [--dram-share 0.05] [--disk-share 0.2]
-        [--systems kvstrata,vllm-cpu,none] [--json out.json]
+        [--systems kvstrata,vllm-cpu,none] [--no-bucket] [--json out.json]
 
 What runs, on this machine only (loopback):
 - The trace's first `--minutes`, each request sent at its timestamp / `--compress` (open
