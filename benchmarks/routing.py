@@ -299,6 +299,14 @@ def summary(run: dict[str, Any], trace_requests: int) -> dict[str, Any]:
     }
 
 
+def add_link_arguments(parser: argparse.ArgumentParser, prefill_guess: float) -> None:
+    """The slowed links' flags (SlowStore, the bucket's cap), shared with trace_replay.py engines."""
+    parser.add_argument("--peer-x", type=float, default=3.0, help="peer bandwidth, times break-even")
+    parser.add_argument("--disk-x", type=float, default=2.5, help="disk read bandwidth, times break-even")
+    parser.add_argument("--prefill-guess", type=float, default=prefill_guess,
+                        help="tokens/s this CPU prefills (sets the bucket and peer caps; the measured rate is printed)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=18)
@@ -307,10 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--hot-share", type=float, default=0.0, help="share of conversations on system prompt 0")
     parser.add_argument("--refresh-seconds", type=float, default=5.0, help="TierAwareRouter's refresh_seconds")
-    parser.add_argument("--peer-x", type=float, default=3.0, help="peer bandwidth, times break-even")
-    parser.add_argument("--disk-x", type=float, default=2.5, help="disk read bandwidth, times break-even")
-    parser.add_argument("--prefill-guess", type=float, default=1200.0,
-                        help="tokens/s this CPU prefills (sets the bucket and peer caps; the measured rate is printed)")
+    add_link_arguments(parser, prefill_guess=1200.0)
     parser.add_argument("--routers", default=",".join(ROUTERS))
     parser.add_argument("--json", type=Path)
     return parser

@@ -106,20 +106,10 @@ def build_prompts(requests: list[Request], args: argparse.Namespace) -> list[Pro
             parts.append(block_text(block_id, tokens))
             ids.append(block_id)
             total += tokens
-        output = max(1, min(args.max_output, round(args.output_lengths.get(request.line, 0) * args.block_tokens / TRACE_BLOCK)))
+        output = max(1, min(args.max_output, round(request.output_length * args.block_tokens / TRACE_BLOCK)))
         prompts.append(Prompt(index, request.timestamp_ms / 1000 / args.compress, "".join(parts), tuple(ids), output,
                               len(ids) < len(request.hash_ids)))  # fmt: skip
     return prompts
-
-
-def output_lengths(path: str) -> dict[int, int]:
-    """`output_length` by line number (load_trace keeps only what the policy mode needs)."""
-    lengths = {}
-    with open(path) as file:
-        for number, text in enumerate(file, 1):
-            if text.strip():
-                lengths[number] = int(json.loads(text).get("output_length") or 0)
-    return lengths
 
 
 # --- the policy mode's prediction for the same scaled window ---------------------------------
@@ -220,9 +210,9 @@ def run_system(name: str, args: argparse.Namespace, model: Path, nodes: list[str
             )
         tier_config = tiers(None)
     elif name == "vllm-cpu":
-        kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-            "spec_name": "VllmCpuReferenceSpec", "spec_module_path": "kvstrata._dev.vllm_cpu_reference",
-            "cpu_bytes_to_use": sizes["arena_chunks"] * SLOT, "block_size": CHUNK_TOKENS, "eviction_policy": "lru"}}  # fmt: skip
+        from kvstrata._dev.vllm_cpu_reference import reference_transfer
+
+        kv_transfer = reference_transfer(sizes["arena_chunks"] * SLOT, CHUNK_TOKENS)
     elif name != "none":
         raise SystemExit(f"--systems: unknown system {name!r} ({', '.join(SYSTEMS)})")
     engine = {"max_model_len": MAX_MODEL_LEN, "num_gpu_blocks_override": ENGINE_BLOCKS, "max_num_seqs": 4}
@@ -296,10 +286,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram-share", type=float, default=0.05, help="host memory per engine, share of the window's distinct blocks")
     p.add_argument("--disk-share", type=float, default=0.20, help="disk per node, share of the window's distinct blocks")
     p.add_argument("--hidden", type=int, default=256, help="the model's hidden size (sets its prefill cost)")
-    p.add_argument("--prefill-guess", type=float, default=5000.0,
-                   help="tokens/s an engine prefills here (sets the peer, disk and bucket caps; the measured rate is printed)")
-    p.add_argument("--peer-x", type=float, default=3.0, help="peer bandwidth, times break-even")
-    p.add_argument("--disk-x", type=float, default=2.5, help="disk read bandwidth, times break-even")
+    from routing import add_link_arguments
+
+    add_link_arguments(p, prefill_guess=5000.0)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--no-bucket", action="store_true", help="kvstrata without its object tier (arena, disk, peers)")
     p.add_argument("--json", type=Path, default=None)
@@ -317,7 +306,6 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("needs seaweedfs (weed) for the local S3 server: see docs/benchmarks.md")
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     requests = load_trace(args.trace, args.minutes)
-    args.output_lengths = output_lengths(args.trace)
     prompts = build_prompts(requests, args)
     distinct_chunks = len({key for r in chunk_requests(prompts, requests, args.block_tokens) for key in r.hash_ids})
     sizes = {"arena_chunks": max(8, round(args.dram_share * distinct_chunks)),
@@ -330,7 +318,7 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
           f"chunks of {CHUNK_TOKENS} tokens; per node: arena {sizes['arena_chunks']} chunks "
           f"({sizes['arena_chunks'] * SLOT / 2**20:.1f} MiB, also vllm-cpu's host memory), disk {sizes['disk_chunks']}; "
           f"predicted (policy mode) {predicted['hit_ratio']:.1%} of prompt tokens, ceiling {predicted['ceiling']:.1%}")  # fmt: skip
-    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items() if k != "output_lengths"},
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
                                "date": time.strftime("%Y-%m-%d"), "sizes": sizes, "predicted": predicted,
                                "systems": {}, "runs": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-trace-engines-") as scratch:

@@ -73,6 +73,7 @@ class Request:
     timestamp_ms: int
     input_length: int
     hash_ids: tuple[int, ...]
+    output_length: int = 0  # what the engines mode scales its outputs by
 
 
 def bytes_per_token(model: str) -> int:
@@ -113,7 +114,9 @@ def load_trace(path: str | Path, minutes: float | None = None) -> list[Request]:
             last = stamp
             if minutes is not None and stamp >= minutes * 60_000:
                 break
-            requests.append(Request(number, int(stamp), length, tuple(ids)))
+            output = row.get("output_length")
+            output = output if isinstance(output, int) and not isinstance(output, bool) and output > 0 else 0
+            requests.append(Request(number, int(stamp), length, tuple(ids), output))
     if not requests:
         raise TraceError(f"{path}: no request" + (f" in its first {minutes:g} minutes" if minutes is not None else ""))
     return requests

@@ -34,12 +34,12 @@ def engines(monkeypatch):
     return loaded["trace_engines"]
 
 
-def request(engines, line: int, ids: list[int], input_length: int, stamp_ms: int = 0):
-    return sys.modules["trace_replay"].Request(line, stamp_ms, input_length, tuple(ids))
+def request(engines, line: int, ids: list[int], input_length: int, stamp_ms: int = 0, output_length: int = 0):
+    return sys.modules["trace_replay"].Request(line, stamp_ms, input_length, tuple(ids), output_length)
 
 
 def options(**overrides) -> argparse.Namespace:
-    values = {"block_tokens": 8, "max_output": 8, "compress": 1.0, "output_lengths": {}}
+    values = {"block_tokens": 8, "max_output": 8, "compress": 1.0}
     return argparse.Namespace(**(values | overrides))
 
 
@@ -75,8 +75,9 @@ def test_the_last_block_keeps_its_share_and_long_prompts_are_cut_to_whole_blocks
 
 
 def test_outputs_are_the_traces_lengths_scaled_and_capped(engines):
-    rows = [request(engines, 1, [1], 512), request(engines, 2, [2], 512), request(engines, 3, [3], 512)]
-    prompts = engines.build_prompts(rows, options(output_lengths={1: 128, 2: 10_000}))
+    rows = [request(engines, 1, [1], 512, output_length=128), request(engines, 2, [2], 512, output_length=10_000),
+            request(engines, 3, [3], 512)]  # fmt: skip
+    prompts = engines.build_prompts(rows, options())
     assert [p.max_tokens for p in prompts] == [2, 8, 1]
 
 

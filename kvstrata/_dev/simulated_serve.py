@@ -30,7 +30,7 @@ from typing import Any
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
 from kvstrata.actors.serve import NodeStoreCallback
-from kvstrata._dev.testing import serve_engine_shared_memory, wait_until_serving
+from kvstrata._dev.testing import kvstrata_transfer, serve_engine_shared_memory, wait_until_serving
 
 CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 DEPLOYMENT = "LLMServer"
@@ -98,8 +98,7 @@ def llm_config(
     if router is not None:
         deployment["request_router_config"] = dict(router)
     if tier_config is not None:
-        extra = {"spec_name": "StrataSpec", "spec_module_path": "kvstrata.connector", "config": tier_config, **(connector or {})}
-        kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        kv_transfer = kvstrata_transfer(tier_config, **(connector or {}))
     callback = "LocalModelCallback" if tier_config is not None else "LocalModelOnly"
     return LLMConfig(
         model_loading_config={"model_id": model_id, "model_source": model_source},

@@ -96,18 +96,19 @@ def build_tiny_llama(
     return directory
 
 
+def kvstrata_transfer(config: str | Path | dict, **extra: object) -> dict[str, object]:
+    """The `kv_transfer_config` mapping selecting kvstrata (a YAML path or an inline mapping),
+    with more of its extra config (`block_size`: tokens per chunk): for `LLM` or Serve LLM."""
+    spec = {"spec_name": "StrataSpec", "spec_module_path": "kvstrata.connector",
+            "config": str(config) if isinstance(config, Path) else config, **extra}  # fmt: skip
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": spec}
+
+
 def kvstrata_transfer_config(config: str | Path | dict, block_size: int | None = None):
     """vLLM's KVTransferConfig selecting kvstrata with a YAML path or an inline mapping."""
     from vllm.config import KVTransferConfig
 
-    extra: dict[str, object] = {
-        "spec_name": "StrataSpec",
-        "spec_module_path": "kvstrata.connector",
-        "config": str(config) if isinstance(config, Path) else config,
-    }
-    if block_size is not None:
-        extra["block_size"] = block_size
-    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    return KVTransferConfig(**kvstrata_transfer(config, **({} if block_size is None else {"block_size": block_size})))
 
 
 def make_llm(model_dir: str | Path, config: str | Path | dict, **engine_kwargs):

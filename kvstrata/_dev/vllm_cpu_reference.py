@@ -39,6 +39,13 @@ from kvstrata.connector.copy_engine import CopyEngine
 from kvstrata.tiers.geometry import PoolGeometry
 
 
+def reference_transfer(cpu_bytes: int, block_size: int, eviction_policy: str = "lru") -> dict[str, Any]:
+    """The `kv_transfer_config` mapping of this reference (for `LLM` or Serve LLM)."""
+    extra = {"spec_name": "VllmCpuReferenceSpec", "spec_module_path": __name__, "cpu_bytes_to_use": cpu_bytes,
+             "block_size": block_size, "eviction_policy": eviction_policy}  # fmt: skip
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
 class HostBuffer:
     """A `CopyEngine` arena of one private segment: `num_chunks` slots of `slot_bytes`."""
 

@@ -21,12 +21,12 @@ PROMPT = "The reference keeps this prompt in host memory: " + "the chunk comes b
 SLOT = 64 * 1024  # the tiny model's KV per 32-token block, float32
 
 
-def reference_transfer(cpu_bytes: int):
+def reference_transfer_config(cpu_bytes: int):
     from vllm.config import KVTransferConfig
 
-    extra = {"spec_name": "VllmCpuReferenceSpec", "spec_module_path": "kvstrata._dev.vllm_cpu_reference",
-             "cpu_bytes_to_use": cpu_bytes, "block_size": 32, "eviction_policy": "lru"}  # fmt: skip
-    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    from kvstrata._dev.vllm_cpu_reference import reference_transfer
+
+    return KVTransferConfig(**reference_transfer(cpu_bytes, block_size=32))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def model(tmp_path_factory):
 
 
 def test_a_prompt_asked_again_is_loaded_from_host_memory_bit_exact(model):
-    llm = make_llm(model, {}, kv_transfer_config=reference_transfer(64 * SLOT))
+    llm = make_llm(model, {}, kv_transfer_config=reference_transfer_config(64 * SLOT))
     try:
         computed = run_round(llm, [PROMPT])
         loaded = run_round(llm, [PROMPT])  # the engine's own cache reset: only host memory has it
@@ -49,7 +49,7 @@ def test_a_prompt_asked_again_is_loaded_from_host_memory_bit_exact(model):
 
 
 def test_a_host_memory_without_room_is_a_miss(model):
-    llm = make_llm(model, {}, kv_transfer_config=reference_transfer(SLOT // 2))  # not one chunk
+    llm = make_llm(model, {}, kv_transfer_config=reference_transfer_config(SLOT // 2))  # not one chunk
     try:
         first, again = run_round(llm, [PROMPT, PROMPT])
     finally:
