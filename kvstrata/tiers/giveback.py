@@ -20,8 +20,21 @@ mapping it cached of an old one.
 When: only when a pool needs budget and the arena (or its tenant's quota) has none left
 (`Arena.grant_slots`), under the store's lock like every arena call; O(pools) checks,
 O(segments) unlinks.
-Pools holding chunks keep them: taking budget from another namespace's cache would be
-cross-namespace eviction, a policy this arena does not have.
+
+Abandoned pools are drained first. A pool that holds chunks but that no engine watches
+(every engine of its namespace stopped or lost its lease) and no engine reserved in used
+to keep its budget for good: the matrix's TP 2 engine filled the 4 MiB arena, stopped,
+and every TP 1 engine after it stored nothing (issue 50; the same for a model that left
+a node, then another model). Now, when the budget is short after idle pools gave theirs
+back, such a pool evicts its unpinned chunks (down the cascade, as any eviction:
+write-back to disk or the bucket where configured), at most `DRAIN_PER_CALL` a call to
+bound the lock's hold; once it is wholly idle (write-backs finished, pins let go) it
+gives its segments back like any idle pool, at that call or a later one. No watcher
+means no engine answers a HIT from a mirror of it (rule 3: an engine whose lease ended
+was dropped as a watcher, and trusts its mirror for half a lease at most), and pinned
+slots are never evicted. Pools that an engine watches keep their chunks: between live
+namespaces the budget is first come, first served (tenant quotas divide it:
+docs/config.md).
 """
 
 from __future__ import annotations
@@ -39,12 +52,52 @@ def make_room(arena: Any, needy: str, wanted_bytes: int) -> None:
     the same tenant do (a tenant's purged generations hold its quota)."""
     short = wanted_bytes - (arena.capacity - arena.allocated_bytes)
     if short > 0:
-        take_back_idle(arena.pools.values(), needy, short)
+        reclaim(arena.pools.values(), needy, short)
     room = arena.quotas.room(needy)
     if room is not None and room < wanted_bytes:
         tenant = arena.quotas.tenant(needy)
         same = [pool for pool in arena.pools.values() if arena.quotas.tenant(pool.namespace) == tenant]
-        take_back_idle(same, needy, wanted_bytes - room)
+        reclaim(same, needy, wanted_bytes - room)
+
+
+def reclaim(pools: Iterable[Any], needy: str, wanted_bytes: int) -> int:
+    """Idle pools give back; if that is short, abandoned pools drain (module docstring) and
+    those that became idle at once give back too. Returns the bytes given back."""
+    pools = list(pools)
+    freed = take_back_idle(pools, needy, wanted_bytes)
+    if freed < wanted_bytes and drain_abandoned(pools, needy):
+        freed += take_back_idle(pools, needy, wanted_bytes - freed)
+    return freed
+
+
+# Chunks an abandoned pool evicts per call at most: the store's lock is held meanwhile.
+DRAIN_PER_CALL = 1024
+
+
+def is_abandoned(pool: Any) -> bool:
+    """Chunks but no engine: no watcher (no mirror answers HITs from it) and no reservation."""
+    return bool(pool._slot_of) and pool.reuse.watchers == 0 and not pool._reserved
+
+
+def drain_abandoned(pools: Iterable[Any], needy: str, limit: int | None = None) -> int:
+    """Evict up to `limit` (default `DRAIN_PER_CALL`) unpinned chunks of abandoned pools
+    other than `needy`'s, least recently used first within a pool; returns how many."""
+    limit = DRAIN_PER_CALL if limit is None else limit
+    evicted = 0
+    for pool in pools:
+        if pool.namespace == needy or not is_abandoned(pool):
+            continue
+        before = evicted
+        while evicted < limit and pool._evict_one():
+            evicted += 1
+        if evicted > before:
+            logger.info(
+                "kvstrata arena: namespace %s has no engine; evicted %d chunks to make room for namespace %s",
+                pool.namespace, evicted - before, needy,
+            )  # fmt: skip
+        if evicted >= limit:
+            break
+    return evicted
 
 
 def take_back_idle(pools: Iterable[Any], needy: str, wanted_bytes: int) -> int:

@@ -157,3 +157,75 @@ def test_a_tenants_purged_generation_gives_its_quota_to_the_next_and_spares_othe
     finally:
         arena.close()
 
+
+
+# Found by the covering run of 28 Nov 2026: the matrix's TP 2 engine filled the arena with
+# its namespace's chunks and stopped; every TP 1 engine after it (another namespace) stored
+# nothing, since a pool holding chunks kept its budget for good. An abandoned pool (no
+# engine watches it, none reserved in it) now drains when another namespace needs budget.
+
+
+def test_a_stopped_engines_chunks_make_room_for_another_namespace(arena):
+    old, keys = _full_old_pool(arena)
+    old.watch("engine-tp2", 0)
+    new = arena.pool("new", SLOT)
+    assert new.reserve("engine-tp1", 2) == []  # its engine lives: first come, first served
+    assert len(old) == 4
+    arena.release_holder("engine-tp2")  # the engine stopped
+    got = new.reserve("engine-tp1", 2)
+    assert len(got) == 2, "a namespace no engine watches kept the whole budget"
+    assert len(old) == 0 and old.stats()["segments"] == 0
+    assert old.counters["evicted"] == 4
+
+
+def test_draining_writes_back_and_gives_back_only_once_the_copies_let_go(arena):
+    old, keys = _full_old_pool(arena)
+    copied = []
+
+    def write_back(chunk, slot):  # the cascade: a copy to disk pins the slot until it lands
+        copied.append((chunk, bytes(old.view(slot)[:8])))
+        return ["disk-writer"]
+
+    old.on_evict = write_back
+    new = arena.pool("new", SLOT)
+    assert new.reserve("engine-new", 2) == []  # the copies still read the old slots
+    assert sorted(chunk for chunk, _ in copied) == sorted(keys)
+    assert old.stats()["segments"] == 2
+    arena.release_holder("disk-writer")  # the copies landed
+    assert len(new.reserve("engine-new", 2)) == 2
+    assert old.stats()["segments"] == 0
+
+
+def test_a_pinned_chunk_of_an_abandoned_pool_stays_readable(arena):
+    old, keys = _full_old_pool(arena)
+    slot = old.lookup(keys[0])
+    expected = bytes(old.view(slot))
+    old.pin_slots("peer-reader", [slot])  # a peer is reading it
+    new = arena.pool("new", SLOT)
+    assert new.reserve("engine-new", 2) == []  # three evicted, one pinned: the pool is not idle
+    assert old.lookup(keys[0]) == slot and bytes(old.view(slot)) == expected
+    assert [old.lookup(k) for k in keys[1:]] == [None, None, None]
+
+
+def test_an_abandoned_pool_with_a_reservation_keeps_its_chunks(arena):
+    old, keys = _full_old_pool(arena)
+    freed = old.lookup(keys[3])
+    old.purge([keys[3]])
+    assert old.reserve("late-writer", 1) == [freed]  # an engine mid-store, not watching (yet)
+    new = arena.pool("new", SLOT)
+    assert new.reserve("engine-new", 2) == []
+    assert len(old) == 3
+
+
+def test_draining_is_bounded_per_call(arena, monkeypatch):
+    from kvstrata.tiers import giveback
+
+    monkeypatch.setattr(giveback, "DRAIN_PER_CALL", 1)
+    old, keys = _full_old_pool(arena)
+    new = arena.pool("new", SLOT)
+    assert new.reserve("engine-new", 1) == []  # one chunk evicted: not idle yet
+    assert len(old) == 3
+    for _ in range(3):
+        new.reserve("engine-new", 1)
+    assert len(old) == 0
+    assert len(new.reserve("engine-new", 1)) == 1

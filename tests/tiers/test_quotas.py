@@ -116,6 +116,8 @@ def test_without_a_quota_the_flooding_tenant_takes_the_whole_arena(tmp_path):
     arena = open_arena(str(tmp_path), {})
     try:
         a, b = arena.pool("a1", SLOT), arena.pool("b1", SLOT)
+        a.watch("eng-a", 0)  # both engines live: neither pool is drained for the other (giveback.py)
+        b.watch("eng-b", 0)
         store(b, "eng-b", [key(1000 + i) for i in range(4)])
         for i in range(0, 60, 3):
             store(a, "eng-a", [key(i), key(i + 1), key(i + 2)])
