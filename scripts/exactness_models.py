@@ -51,17 +51,25 @@ COMMON = dict(vocab_size=128, bos_token_id=1, eos_token_id=2, tie_word_embedding
 
 
 def build_hybrid_ssm(directory: Path, seed: int = 3) -> Path:
-    """Bamba: Mamba2 layers and one attention layer (what IBM's Granite 4 hybrids are built from)."""
-    from transformers import BambaConfig, BambaForCausalLM
+    """Granite 4.0 hybrid: a Mamba2 layer, then an attention layer, dense MLPs (no experts).
 
-    config = BambaConfig(
+    vLLM 0.32 runs it natively (`GraniteMoeHybridForCausalLM`, with Mamba prefix caching);
+    it has no Bamba model class any more (a Bamba checkpoint falls back to the Transformers
+    backend, which refuses Mamba layers).
+    """
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    config = GraniteMoeHybridConfig(
         **COMMON,
         hidden_size=128,
         intermediate_size=256,
+        shared_intermediate_size=256,
+        num_local_experts=0,
         num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
         num_attention_heads=4,
         num_key_value_heads=4,
-        attn_layer_indices=[1],
+        position_embedding_type="rope",
         mamba_n_heads=4,
         mamba_d_head=32,
         mamba_n_groups=1,
@@ -71,7 +79,7 @@ def build_hybrid_ssm(directory: Path, seed: int = 3) -> Path:
         mamba_chunk_size=32,
         torch_dtype="float32",
     )
-    return _save(directory, BambaForCausalLM(config), seed)
+    return _save(directory, GraniteMoeHybridForCausalLM(config), seed)
 
 
 def build_mla(directory: Path, seed: int = 4) -> Path:
@@ -86,9 +94,9 @@ def build_mla(directory: Path, seed: int = 4) -> Path:
         num_attention_heads=4,
         num_key_value_heads=4,
         q_lora_rank=None,
-        kv_lora_rank=64,
+        kv_lora_rank=512,  # vLLM's MLA takes a latent + rope width of 320, 512 or 576 only
         qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
+        qk_rope_head_dim=64,
         v_head_dim=32,
         first_k_dense_replace=2,
         n_routed_experts=4,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import exactness_design as design
-from exactness_models import FP8, HYBRID_SSM, MLA, build, build_lora
+from exactness_models import FP8, HYBRID_SSM, MLA, SLIDING, build, build_lora
 
 TOLERANCE = 1e-5  # two engines may round one float32 ulp apart (tests/e2e/expect.py)
 MiB = 1024**2
@@ -215,8 +215,11 @@ class Matrix:
         elif feature == "ngram":
             kwargs.update(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
         elif feature == "preempt":
-            # 18 blocks (576 tokens) for three requests of ~250: vLLM needs one max_model_len of room.
-            kwargs.update(num_gpu_blocks_override=18 if model != MLA else 36, max_model_len=512)
+            # 18 blocks (576 tokens) for three requests of ~250: vLLM needs one max_model_len of
+            # room. MLA's blocks hold 16 tokens; the sliding model's two KV groups split the
+            # blocks, and vLLM counts half of them toward one request's length (32: 2 x 16).
+            blocks = {MLA: 36, SLIDING: 32}.get(model, 18)
+            kwargs.update(num_gpu_blocks_override=blocks, max_model_len=512)
         return directory, kwargs
 
     def start(self, kwargs: dict[str, Any], kvstrata: bool) -> Any:

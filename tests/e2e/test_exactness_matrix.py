@@ -54,6 +54,21 @@ def test_the_ci_slice_covers_every_tier_and_length():
     assert len({cell.engine() for cell in cells}) == 1  # one kvstrata engine and one reference
 
 
+def test_shapes_vllm_cpu_cannot_run_are_named_with_why(monkeypatch):
+    """fp8 KV caches need AVX-512 or AMX in vLLM's CPU attention: left out exactly when the
+    CPU has neither; the Mamba2 hybrid is always left out (vLLM 0.32's CPU scan)."""
+    monkeypatch.setattr(matrix, "_cpu_flags", lambda: {"avx", "avx2"})
+    left_out = matrix.not_on_cpu()
+    assert set(left_out) == {design.FP8, design.HYBRID_SSM}
+    assert "AVX-512" in left_out[design.FP8] and "return_intermediate_states" in left_out[design.HYBRID_SSM]
+    monkeypatch.setattr(matrix, "_cpu_flags", lambda: {"avx2", "avx512f"})
+    assert set(matrix.not_on_cpu()) == {design.HYBRID_SSM}
+    args = matrix.build_parser().parse_args([])
+    monkeypatch.setattr(matrix, "NOT_ON_CPU", left_out)
+    cells, _ = matrix.select(args)
+    assert {cell.model for cell in cells} == set(design.MODELS) - set(left_out)
+
+
 @pytest.mark.slow
 def test_the_ci_slice_serves_the_right_answer_from_every_tier(tmp_path):
     from kvstrata._dev.s3_server import weed_binary
