@@ -99,6 +99,10 @@ class StrataManager(PinsAndSlots):
         registration = client.register(holder, self.namespace, layout.slot_bytes, layout.describe(), True, "", self._nonce)
         self._thread_epoch = registration.epoch
         self._adopt(registration, asked)
+        # The registration is the first round trip: an engine on a busy machine stretches
+        # its view's age (and its silence) from its first request on, not from the first
+        # step's answer (#49: a trace's opening requests waited a round trip each).
+        self._measure_round_trip(clock() - asked)
         self._recv_seq = self._pass_seq = registration.seq
         logger.info(
             "kvstrata manager %s: namespace %s, slot %d bytes, %d chunks already resident on node %s",
