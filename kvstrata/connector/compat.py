@@ -182,6 +182,27 @@ def engine_vllm_config() -> Any | None:
     return get_current_vllm_config_or_none()
 
 
+def cached_prefix_unsupported(vllm_config: Any | None) -> str | None:
+    """Why this engine's attention cannot compute a prompt over a prefix loaded into its KV
+    cache, or None. Such an engine must never get a hit: vLLM turns its own prefix caching
+    off there, and an offloaded hit would be a wrong answer.
+
+    vLLM 0.32's CPU platform runs MLA on its reference backend (CPU_MLA, unless AMX MLA
+    is on), whose prefill is a plain SDPA over the new tokens only; it then forces prefix
+    caching and chunked prefill off (platforms/cpu.py). The exactness matrix found kvstrata
+    hits there giving other tokens than recomputing (28 Nov 2026), with every byte of the
+    chunks round-tripped exactly."""
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    if model is None or cache is None or not getattr(model, "use_mla", False):
+        return None
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and not cache.enable_prefix_caching:
+        return "vLLM's CPU MLA backend prefills without a cached prefix (vLLM forced its own prefix caching off)"
+    return None
+
+
 def async_scheduling(vllm_config: Any | None) -> bool:
     """Whether the engine schedules a step while the one before runs (the recompute rate
     then times a step by the interval after the next: connector/recompute_rate.py)."""

@@ -43,9 +43,10 @@ from kvstrata.connector.pins import ArenaSlotsSpec
 
 logger = logging.getLogger(__name__)
 
-# Counters of `Starting` (metrics.COUNTER_NAMES documents them).
+# Counters of `Starting` and `Off` (metrics.COUNTER_NAMES documents them).
 LOOKUPS_BEFORE_CACHE_ON = "lookups_before_cache_on"
 STORES_BEFORE_CACHE_ON = "stores_skipped_before_cache_on"
+LOOKUPS_CACHE_OFF = "lookups_cache_off"
 
 
 class Misses(OffloadingManager):
@@ -174,3 +175,28 @@ def _shut_down(manager: OffloadingManager) -> None:
         manager.shutdown()
     except Exception as exc:  # noqa: BLE001 - its lease frees what it held anyway
         logger.warning("kvstrata: a manager built after the engine stopped did not shut down cleanly: %s", exc)
+
+
+class Off(Misses):
+    """kvstrata off for good for this engine: its attention cannot compute over a loaded
+    prefix (`compat.cached_prefix_unsupported`), so a hit would be a wrong answer. Every
+    lookup a MISS (counted), nothing stored."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__()
+        self.why = why
+        self._counters = {LOOKUPS_CACHE_OFF: 0}
+        self._reported: dict[str, int] = {}
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._counters[LOOKUPS_CACHE_OFF] += 1
+        return LookupResult.MISS
+
+    @override
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        return PrepareStoreOutput(keys_to_store=[], store_spec=ArenaSlotsSpec([], None), evicted_keys=[])
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return take_stats(self._counters, self._reported, {})

@@ -51,6 +51,8 @@ COUNTER_NAMES = {
     "fingerprint of a large checkpoint, computed while the engine serves).",
     "stores_skipped_before_cache_on": "Chunks not stored because kvstrata was not on yet for this engine (the "
     "weights' fingerprint of a large checkpoint, computed while the engine serves).",
+    "lookups_cache_off": "Lookups answered MISS because kvstrata is off for this engine: its attention cannot "
+    "compute over a loaded prefix (vLLM's CPU MLA backend), so a hit would be a wrong answer.",
 }
 GAUGE_NAMES = {
     "reserved_slots": "Free arena slots reserved by this engine for upcoming stores.",

@@ -25,6 +25,7 @@ from kvstrata.connector.compat import (
     OffloadingWorker,
     anchor_groups,
     async_scheduling,
+    cached_prefix_unsupported,
     check_vllm_version,
     engine_vllm_config,
     group_ids,
@@ -34,7 +35,7 @@ from kvstrata.connector.compat import (
     prefix_hash_algo,
 )
 from kvstrata.connector.manager import COUNTER_NAMES, GAUGE_NAMES, StrataManager, metric_name
-from kvstrata.connector.deferred_start import DeferredStart, Starting
+from kvstrata.connector.deferred_start import DeferredStart, Off, Starting
 from kvstrata.connector.weight_updates import WeightGenerations
 from kvstrata.identity import LongRead, ModelIdentity, resolve_model_identity
 from kvstrata.keys import Layout
@@ -101,12 +102,18 @@ class StrataSpec(OffloadingSpec):
         self._model_revision = None if vllm_config is None else vllm_config.model_config.revision
         self._download_dir = None if vllm_config is None else model_download_dir(vllm_config)
         self._async_scheduling = async_scheduling(vllm_config)
+        self._cache_off = cached_prefix_unsupported(vllm_config)
         self.identity: ModelIdentity | None = None
-        self._manager: WeightGenerations | None = None
+        self._manager: WeightGenerations | Off | None = None
         self._worker: OffloadingWorker | None = None
 
     @override
     def get_manager(self) -> OffloadingManager:
+        if self._cache_off is not None:
+            if not isinstance(self._manager, Off):
+                logger.warning("kvstrata is off for model %s: %s; every prompt is recomputed", self.config.model.name, self._cache_off)
+                self._manager = Off(self._cache_off)
+            return self._manager
         if self._manager is None:
             from kvstrata.actors.client import RayStoreClient, ensure_node_store
             from kvstrata.connector.ray_join import join_cluster_keeping_signals
