@@ -41,3 +41,20 @@ def test_the_off_manager_misses_counts_and_stores_nothing():
     reported = off.get_stats().reduce()
     assert reported[metric_name("lookups_cache_off")] == 2
     assert "lookups_cache_off" in COUNTER_NAMES
+
+
+def test_the_spec_gives_such_an_engine_the_off_manager_without_joining_anything(monkeypatch):
+    import kvstrata.actors.client as client_module
+    import kvstrata.connector.spec as spec_module
+    from tests.connector.test_deferred_start import _bare_spec
+
+    spec = _bare_spec(spec_module, monkeypatch)
+    spec._cache_off = "vLLM's CPU MLA backend prefills without a cached prefix"
+
+    def no_store(cfg):
+        raise AssertionError("an engine kvstrata is off for joined the node store")
+
+    monkeypatch.setattr(client_module, "ensure_node_store", no_store)
+    manager = spec.get_manager()
+    assert isinstance(manager, Off) and spec.get_manager() is manager
+    assert manager.lookup(key(1), ctx("r")) is LookupResult.MISS

@@ -213,6 +213,6 @@ def _bare_spec(spec_module, monkeypatch):
     spec.config = SimpleNamespace(model=SimpleNamespace(name="m"), engine_id="e")
     spec.kv_events_config = SimpleNamespace(enable_kv_cache_events=False)
     spec._model_settings, spec._model_revision, spec._download_dir = {}, None, None
-    spec._async_scheduling = False
+    spec._async_scheduling, spec._cache_off = False, None
     spec.identity, spec._manager, spec._worker = None, None, None
     return spec
