@@ -52,7 +52,7 @@ def computed_positions(hit: Outcome, total: int) -> list[dict | None]:
 
 
 def same_engine(cell: design.Cell, cold: Outcome, own: Outcome | None, hit: Outcome, served: list[int],
-                computed_is_served: bool) -> tuple[str, bool]:
+                computed_is_served: bool, bytes_exact: bool = False) -> tuple[str, bool]:
     """The hit against the same engine's cold pass of the same prompt: (what the cell line
     says, whether it is a failure). Bit for bit, or, where the cold pass rounds otherwise,
     bit for bit against vLLM's own prefix-cache hit of the same length (`own`).
@@ -60,7 +60,9 @@ def same_engine(cell: design.Cell, cold: Outcome, own: Outcome | None, hit: Outc
     Why the second: the cold pass computed the tokens after the cached ones inside one
     prefill, the hit as a step of their own (a prompt ending on a chunk boundary: the last
     token over its loaded KV), and CPU kernels may round those one ulp apart. vLLM's own
-    prefix-cache hit runs the hit's kernels over vLLM's own bytes of the cold pass."""
+    prefix-cache hit runs the hit's kernels over vLLM's own bytes of the cold pass. With
+    prefix caching off there is none: then a gap within TOLERANCE, with the same tokens and
+    every chunk's bytes back exactly as stored (`bytes_exact`), is that rounding too."""
     if not computed_is_served or cell.tp == "2>1" or cell.feature == "preempt":
         why = "the cold pass ran on the TP 2 engine" if cell.tp == "2>1" else "the cold pass computed a shorter prompt"
         return f"same-engine: n/a ({why})", False
@@ -69,6 +71,9 @@ def same_engine(cell: design.Cell, cold: Outcome, own: Outcome | None, hit: Outc
         return "same-engine: exact", False
     cold_gap = fmt(max_gap(cold.logprobs, hit.logprobs))
     if own is None or own.cached != hit.cached:
+        gap = max_gap(cold.logprobs, hit.logprobs)
+        if own is None and bytes_exact and hit.tokens == cold.tokens and gap is not None and gap <= TOLERANCE:
+            return f"same-engine: {cold_gap} off the cold pass, chunk bytes exact (no own-cache hit: prefix caching off)", False
         return f"same-engine: NOT bit-exact (gap {cold_gap}, the cold pass had {cold.cached} cached)", cell.model != FP8
     if equal(hit, own, tail):
         return f"same-engine: exact against vLLM's own cache hit (the cold pass {cold_gap} off)", False
