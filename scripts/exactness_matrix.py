@@ -85,6 +85,10 @@ PAIRS_NOT_ON_CPU = {
     )
     for tp in ("2", "2>1")
 }
+PAIRS_NOT_ON_CPU[(("model", MLA), ("feature", "preempt"))] = (
+    "vLLM 0.32's CPU MLA gives other logprobs than the reference (0.45 off) with no cached token "
+    "when the request is the last of three on a small KV cache"
+)
 PAIRS_NOT_ON_CPU[(("model", MLA), ("feature", "ngram"))] = (
     "vLLM 0.32's CPU MLA with n-gram speculative decoding gives other tokens than the reference "
     "without any cached token (its prefill, which verifies the drafts, attends to the new tokens only)"
