@@ -9,7 +9,9 @@ always correct: so where the fingerprint would read more than a few milliseconds
 (`identity.LongRead`), the engine starts at once with `Starting` -- every lookup a MISS,
 nothing stored, both counted -- while `DeferredStart` computes the fingerprint and
 registers the namespace on a thread of its own. `WeightGenerations` puts the manager it
-built in place between two of the engine's calls, on the engine's thread.
+built in place between two of the engine's calls, on the engine's thread. `Off` is the
+same kind of manager for good: for an engine whose attention cannot compute over a loaded
+prefix (`compat.cached_prefix_unsupported`), where a hit would be a wrong answer.
 
 Invariants:
 - before the namespace is known no lookup is a HIT and no chunk is stored: no KV of
