@@ -60,9 +60,11 @@ def same_engine(cell: design.Cell, cold: Outcome, own: Outcome | None, hit: Outc
     Why the second: the cold pass computed the tokens after the cached ones inside one
     prefill, the hit as a step of their own (a prompt ending on a chunk boundary: the last
     token over its loaded KV), and CPU kernels may round those one ulp apart. vLLM's own
-    prefix-cache hit runs the hit's kernels over vLLM's own bytes of the cold pass. With
-    prefix caching off there is none: then a gap within TOLERANCE, with the same tokens and
-    every chunk's bytes back exactly as stored (`bytes_exact`), is that rounding too."""
+    prefix-cache hit runs the hit's kernels over vLLM's own bytes of the cold pass. Where
+    there is none of the same length (prefix caching off; a prompt ending on a chunk
+    boundary, which vLLM's own cache serves a block short), a gap within TOLERANCE with
+    the same tokens and every chunk's bytes back exactly as stored (`bytes_exact`) is that
+    rounding too."""
     if not computed_is_served or cell.tp == "2>1" or cell.feature == "preempt":
         why = "the cold pass ran on the TP 2 engine" if cell.tp == "2>1" else "the cold pass computed a shorter prompt"
         return f"same-engine: n/a ({why})", False
@@ -70,15 +72,18 @@ def same_engine(cell: design.Cell, cold: Outcome, own: Outcome | None, hit: Outc
     if equal(hit, cold, tail):
         return "same-engine: exact", False
     cold_gap = fmt(max_gap(cold.logprobs, hit.logprobs))
-    if own is None or own.cached != hit.cached:
-        gap = max_gap(cold.logprobs, hit.logprobs)
-        if own is None and bytes_exact and hit.tokens == cold.tokens and gap is not None and gap <= TOLERANCE:
-            return f"same-engine: {cold_gap} off the cold pass, chunk bytes exact (no own-cache hit: prefix caching off)", False
-        return f"same-engine: NOT bit-exact (gap {cold_gap}, the cold pass had {cold.cached} cached)", cell.model != FP8
-    if equal(hit, own, tail):
-        return f"same-engine: exact against vLLM's own cache hit (the cold pass {cold_gap} off)", False
-    own_gap = fmt(max_gap(own.logprobs, hit.logprobs))
-    return f"same-engine: NOT bit-exact against vLLM's own cache hit (gap {own_gap})", cell.model != FP8
+    if own is not None and own.cached == hit.cached:
+        if equal(hit, own, tail):
+            return f"same-engine: exact against vLLM's own cache hit (the cold pass {cold_gap} off)", False
+        own_gap = fmt(max_gap(own.logprobs, hit.logprobs))
+        return f"same-engine: NOT bit-exact against vLLM's own cache hit (gap {own_gap})", cell.model != FP8
+    # No own-cache hit of the same length: prefix caching off, or a prompt ending on a
+    # chunk boundary (kvstrata serves all of it and vLLM recomputes the last token over
+    # its loaded KV; vLLM's own cache stops a block short).
+    gap = max_gap(cold.logprobs, hit.logprobs)
+    if bytes_exact and hit.tokens == cold.tokens and gap is not None and gap <= TOLERANCE:
+        return f"same-engine: {cold_gap} off the cold pass, chunk bytes exact (no own-cache hit of this length)", False
+    return f"same-engine: NOT bit-exact (gap {cold_gap}, the cold pass had {cold.cached} cached)", cell.model != FP8
 
 
 def equal(hit: Outcome, other: Outcome, tail: list[dict | None]) -> bool:

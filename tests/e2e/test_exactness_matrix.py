@@ -69,6 +69,26 @@ def test_shapes_vllm_cpu_cannot_run_are_named_with_why(monkeypatch):
     assert {cell.model for cell in cells} == set(design.MODELS) - set(left_out)
 
 
+def test_a_hit_is_held_to_the_cold_pass_or_to_vllms_own_cache_hit():
+    from exactness_checks import Outcome, same_engine
+
+    ulp = 4.76837158203125e-07
+    cell = design.Cell(design.DENSE, "1", "peer", "kC+1", "none")
+    served = list(range(193))
+
+    def outcome(first_logprob, cached=192):
+        return Outcome([5, 6], [{5: first_logprob}, {6: -1.0}], [None] * 193, cached)
+
+    cold, hit = outcome(-0.5, cached=0), outcome(-0.5 + ulp)
+    assert same_engine(cell, outcome(-0.5 + ulp, 0), None, hit, served, True) == ("same-engine: exact", False)
+    label, failed = same_engine(cell, cold, outcome(-0.5 + ulp), hit, served, True)
+    assert not failed and "exact against vLLM's own cache hit" in label
+    assert same_engine(cell, cold, outcome(-0.5), hit, served, True)[1]  # own hit differs: kvstrata's
+    assert not same_engine(cell, cold, None, hit, served, True, bytes_exact=True)[1]  # rounding, bytes exact
+    assert same_engine(cell, cold, None, hit, served, True, bytes_exact=False)[1]
+    assert same_engine(cell, cold, None, outcome(-0.4), served, True, bytes_exact=True)[1]  # past tolerance
+
+
 @pytest.mark.slow
 def test_the_ci_slice_serves_the_right_answer_from_every_tier(tmp_path):
     from kvstrata._dev.s3_server import weed_binary
