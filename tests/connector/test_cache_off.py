@@ -24,13 +24,23 @@ def engine_config(use_mla: bool, prefix_caching: bool):
     )
 
 
-def test_cpu_mla_with_prefix_caching_forced_off_cannot_take_a_hit():
-    # This machine's vLLM platform is the CPU one; its MLA backend turned prefix caching off.
+def on_platform(monkeypatch, cpu: bool) -> None:
+    """vLLM's platform as the check sees it (the CUDA builds of scripts/vllm_matrix.py do
+    not detect this machine as their CPU platform)."""
+    import vllm.platforms
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cpu=lambda: cpu))
+
+
+def test_cpu_mla_with_prefix_caching_forced_off_cannot_take_a_hit(monkeypatch):
+    on_platform(monkeypatch, cpu=True)  # vLLM's CPU platform turned prefix caching off for MLA
     why = cached_prefix_unsupported(engine_config(use_mla=True, prefix_caching=False))
     assert why is not None and "MLA" in why
     assert cached_prefix_unsupported(engine_config(use_mla=True, prefix_caching=True)) is None  # AMX MLA
     assert cached_prefix_unsupported(engine_config(use_mla=False, prefix_caching=False)) is None  # a user's choice
     assert cached_prefix_unsupported(None) is None
+    on_platform(monkeypatch, cpu=False)  # a GPU: MLA backends there compute over a cached prefix
+    assert cached_prefix_unsupported(engine_config(use_mla=True, prefix_caching=False)) is None
 
 
 def test_the_off_manager_misses_counts_and_stores_nothing():
