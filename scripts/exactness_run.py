@@ -61,6 +61,7 @@ class Matrix:
     references: dict[tuple, Outcome] = field(default_factory=dict)
     colds: dict[int, Outcome] = field(default_factory=dict)
     _fillers: int = 0
+    _moves: int = 0  # chunk moves to the peer (move_to_peer)
     out: Any = None  # where the cell lines go (default: stdout)
 
     # -- setup -------------------------------------------------------------------------
@@ -396,7 +397,10 @@ class Matrix:
             os.environ["KVSTRATA_NODE_ID"] = self.peer
             try:
                 # No layout: the peer store takes the namespace as named (the head's engine registered it).
-                probe = ChunkProbe(f"exactness-{namespace[:8]}", namespace, int(arrays[0].nbytes), None)
+                # A holder of its own per move: a second move into the same namespace was
+                # refused as another engine's registration (28 Nov 2026).
+                self._moves += 1
+                probe = ChunkProbe(f"exactness-{namespace[:8]}-{self._moves}", namespace, int(arrays[0].nbytes), None)
             finally:
                 os.environ["KVSTRATA_NODE_ID"] = self.head
             try:
