@@ -96,12 +96,17 @@ def build_tiny_llama(
     return directory
 
 
-def kvstrata_transfer(config: str | Path | dict, **extra: object) -> dict[str, object]:
-    """The `kv_transfer_config` mapping selecting kvstrata (a YAML path or an inline mapping),
-    with more of its extra config (`block_size`: tokens per chunk): for `LLM` or Serve LLM."""
-    spec = {"spec_name": "StrataSpec", "spec_module_path": "kvstrata.connector",
-            "config": str(config) if isinstance(config, Path) else config, **extra}  # fmt: skip
+def offloading_transfer(spec_name: str, spec_module_path: str, **extra: object) -> dict[str, object]:
+    """The `kv_transfer_config` mapping of vLLM's OffloadingConnector with an out-of-tree
+    spec and its extra config: for `LLM` or Serve LLM."""
+    spec = {"spec_name": spec_name, "spec_module_path": spec_module_path, **extra}
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": spec}
+
+
+def kvstrata_transfer(config: str | Path | dict, **extra: object) -> dict[str, object]:
+    """The mapping selecting kvstrata (a YAML path or an inline mapping), with more of its
+    extra config (`block_size`: tokens per chunk)."""
+    return offloading_transfer("StrataSpec", "kvstrata.connector", config=str(config) if isinstance(config, Path) else config, **extra)
 
 
 def kvstrata_transfer_config(config: str | Path | dict, block_size: int | None = None):

@@ -41,9 +41,10 @@ from kvstrata.tiers.geometry import PoolGeometry
 
 def reference_transfer(cpu_bytes: int, block_size: int, eviction_policy: str = "lru") -> dict[str, Any]:
     """The `kv_transfer_config` mapping of this reference (for `LLM` or Serve LLM)."""
-    extra = {"spec_name": "VllmCpuReferenceSpec", "spec_module_path": __name__, "cpu_bytes_to_use": cpu_bytes,
-             "block_size": block_size, "eviction_policy": eviction_policy}  # fmt: skip
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    from kvstrata._dev.testing import offloading_transfer
+
+    return offloading_transfer("VllmCpuReferenceSpec", __name__, cpu_bytes_to_use=cpu_bytes, block_size=block_size,
+                               eviction_policy=eviction_policy)  # fmt: skip
 
 
 class HostBuffer:

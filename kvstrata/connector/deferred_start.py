@@ -78,7 +78,28 @@ class Misses(OffloadingManager):
         return RequestOffloadingContext()
 
 
-class Starting(Misses):
+def nothing_to_store() -> PrepareStoreOutput:
+    """"Nothing to store" rather than None, which vLLM counts as an allocation failure."""
+    return PrepareStoreOutput(keys_to_store=[], store_spec=ArenaSlotsSpec([], None), evicted_keys=[])
+
+
+class CountedMisses(Misses):
+    """Misses that count what they turned away and report it as engine metrics."""
+
+    def __init__(self, *counter_names: str) -> None:
+        super().__init__()
+        self._counters = dict.fromkeys(counter_names, 0)
+        self._reported: dict[str, int] = {}
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        return take_stats(self._counters, self._reported, {})
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._counters)
+
+
+class Starting(CountedMisses):
     """vLLM's manager until kvstrata is on for the engine: every lookup a MISS, no store.
 
     It keeps no slot and no pin, so it can be replaced between any two calls. It
@@ -87,10 +108,8 @@ class Starting(Misses):
     """
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(LOOKUPS_BEFORE_CACHE_ON, STORES_BEFORE_CACHE_ON)
         self.seen: set[str] = set()
-        self._counters = {LOOKUPS_BEFORE_CACHE_ON: 0, STORES_BEFORE_CACHE_ON: 0}
-        self._reported: dict[str, int] = {}
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -102,15 +121,26 @@ class Starting(Misses):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         self.seen.add(req_context.req_id)
         self._counters[STORES_BEFORE_CACHE_ON] += len(keys)
-        # "Nothing to store" rather than None, which vLLM counts as an allocation failure.
-        return PrepareStoreOutput(keys_to_store=[], store_spec=ArenaSlotsSpec([], None), evicted_keys=[])
+        return nothing_to_store()
+
+
+class Off(CountedMisses):
+    """kvstrata off for good for this engine: its attention cannot compute over a loaded
+    prefix (`compat.cached_prefix_unsupported`), so a hit would be a wrong answer. Every
+    lookup a MISS (counted), nothing stored."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(LOOKUPS_CACHE_OFF)
+        self.why = why
 
     @override
-    def get_stats(self) -> OffloadingConnectorStats | None:
-        return take_stats(self._counters, self._reported, {})
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._counters[LOOKUPS_CACHE_OFF] += 1
+        return LookupResult.MISS
 
-    def counters(self) -> dict[str, int]:
-        return dict(self._counters)
+    @override
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        return nothing_to_store()
 
 
 class DeferredStart:
@@ -177,28 +207,3 @@ def _shut_down(manager: OffloadingManager) -> None:
         manager.shutdown()
     except Exception as exc:  # noqa: BLE001 - its lease frees what it held anyway
         logger.warning("kvstrata: a manager built after the engine stopped did not shut down cleanly: %s", exc)
-
-
-class Off(Misses):
-    """kvstrata off for good for this engine: its attention cannot compute over a loaded
-    prefix (`compat.cached_prefix_unsupported`), so a hit would be a wrong answer. Every
-    lookup a MISS (counted), nothing stored."""
-
-    def __init__(self, why: str) -> None:
-        super().__init__()
-        self.why = why
-        self._counters = {LOOKUPS_CACHE_OFF: 0}
-        self._reported: dict[str, int] = {}
-
-    @override
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._counters[LOOKUPS_CACHE_OFF] += 1
-        return LookupResult.MISS
-
-    @override
-    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        return PrepareStoreOutput(keys_to_store=[], store_spec=ArenaSlotsSpec([], None), evicted_keys=[])
-
-    @override
-    def get_stats(self) -> OffloadingConnectorStats | None:
-        return take_stats(self._counters, self._reported, {})

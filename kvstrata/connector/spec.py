@@ -109,11 +109,9 @@ class StrataSpec(OffloadingSpec):
 
     @override
     def get_manager(self) -> OffloadingManager:
-        if self._cache_off is not None:
-            if not isinstance(self._manager, Off):
-                logger.warning("kvstrata is off for model %s: %s; every prompt is recomputed", self.config.model.name, self._cache_off)
-                self._manager = Off(self._cache_off)
-            return self._manager
+        if self._manager is None and self._cache_off is not None:
+            logger.warning("kvstrata is off for model %s: %s; every prompt is recomputed", self.config.model.name, self._cache_off)
+            self._manager = Off(self._cache_off)
         if self._manager is None:
             from kvstrata.actors.client import RayStoreClient, ensure_node_store
             from kvstrata.connector.ray_join import join_cluster_keeping_signals
