@@ -62,13 +62,31 @@ def prompt_tokens(length: str) -> tuple[int, int | None]:
     }[length]
 
 
-def expected_hit(length: str) -> int:
-    """Tokens a full hit serves: the whole chunks of the prompt computed first. A prompt
-    that ends exactly on a chunk boundary is a hit of the whole prompt: vLLM 0.32 loads
-    it all and recomputes the last token over its loaded KV (`scheduler.py`,
-    `num_computed_tokens == num_tokens` -> `num_tokens - 1`)."""
+def expected_hit(length: str, model: str = DENSE) -> int:
+    """Tokens a full hit serves: the whole chunks of the prompt computed first.
+
+    A prompt that ends exactly on a chunk boundary is a hit of the whole prompt: vLLM 0.32
+    loads it all and recomputes the last token over its loaded KV (`scheduler.py`,
+    `num_computed_tokens == num_tokens` -> `num_tokens - 1`).
+
+    Not on a model with sliding-window layers: there vLLM's offloading scheduler keeps the
+    last prompt token out of the hit (`_lookup_complete_chunks`: "the last prompt token has
+    to be recomputed to get the logprobs for sliding window attention", `max_hit_size_tokens
+    -= 1`), and stores a window group's chunks only where such a hit can end
+    (`_build_store_jobs`, `reachable_block_mask`), so a prompt computed to exactly a chunk
+    boundary serves one chunk less, and so does its extension. vLLM's own CPU offloading
+    caches the same (28 November 2026, `scripts/exactness_swa_probe.py`: 128 tokens of a
+    192-token prompt and of its 232-token extension, 192 of 193 and 224, for both)."""
     served, computed = prompt_tokens(length)
-    return min(served, computed or served) // CHUNK * CHUNK
+    return expected_hit_tokens(computed or served, served, model)
+
+
+def expected_hit_tokens(computed: int, served: int, model: str = DENSE) -> int:
+    """`expected_hit` for a prompt of `served` tokens whose first `computed` were computed."""
+    cached_prompt = min(served, computed)
+    if model == SLIDING:
+        return max(0, cached_prompt - 1) // CHUNK * CHUNK
+    return cached_prompt // CHUNK * CHUNK
 
 
 # Why a value pair never runs; cells with one are not applicable (and not counted).

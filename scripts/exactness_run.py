@@ -62,6 +62,7 @@ class Matrix:
     colds: dict[int, Outcome] = field(default_factory=dict)
     _fillers: int = 0
     _moves: int = 0  # chunk moves to the peer (move_to_peer)
+    _retained: set = field(default_factory=set)  # chunks a disk cell retains (fill), released after it
     out: Any = None  # where the cell lines go (default: stdout)
 
     # -- setup -------------------------------------------------------------------------
@@ -346,13 +347,21 @@ class Matrix:
             self.generate(llm, [prompt(f"tick {time.monotonic_ns()}", 12, seed=attempt)], max_tokens=1, checked=False)
         return new
 
-    def fill(self, llm: Any, gone: Any, batches: int = 10) -> bool:
+    def fill(self, llm: Any, gone: Any, batches: int = 10, arrived: Any = None) -> bool:
         """Filler prompts (7 chunks each, never seen before; 4 a batch) until `gone()` holds,
-        checked after each prompt: a batch at once overran the disk behind the arena."""
+        checked after each prompt: a batch at once overran the disk behind the arena.
+
+        `arrived()`: the cell's chunks already where they should stay (on disk, no longer in
+        the arena). They leave the arena one at a time, and the first to reach the disk had
+        been pushed off it by the fillers that drove the last one out (the sliding-window
+        model, 28 Nov): each is retained there (kvstrata's `kv.retain`, priority 100) as it
+        arrives, so the disk evicts the fillers first; `run_cell` ends that after the cell."""
         import ray
 
         for _ in range(batches * 4):
             ray.get(self.store.wait_io.remote(60))
+            if arrived is not None:
+                self.retain(arrived() - self._retained)
             if gone():
                 return True
             self._fillers += 1
@@ -360,6 +369,17 @@ class Matrix:
             self.generate(llm, [filler], max_tokens=1, checked=False)
         ray.get(self.store.wait_io.remote(60))
         return gone()
+
+    def retain(self, chunks: set[tuple[str, bytes]], priority: int = 100) -> None:
+        """Retention at `priority` for `chunks` (0 ends it), remembered in `_retained`."""
+        import ray
+
+        for namespace in {ns for ns, _ in chunks}:
+            ray.get(self.store.retain.remote(namespace, [key for ns, key in chunks if ns == namespace], priority, 600.0))
+        if priority:
+            self._retained |= chunks
+        else:
+            self._retained -= chunks
 
     def force_tier(self, llm: Any, tier: str, chunks: set[tuple[str, bytes]]) -> str | None:
         """Make `tier` the only one of this node holding `chunks`; a reason if it could not."""
@@ -370,7 +390,7 @@ class Matrix:
         if tier == "arena":
             return None if chunks <= self.snapshot() else "not all chunks in the arena"
         if tier == "disk":
-            if not self.fill(llm, lambda: not chunks & self.snapshot()):
+            if not self.fill(llm, lambda: not chunks & self.snapshot(), arrived=lambda: (chunks & self.snapshot("STORAGE")) - self.snapshot()):
                 return "chunks still in the arena after the fillers"
             return None if chunks <= self.snapshot("STORAGE") else "chunks pushed off the disk too"
         if tier == "bucket":
@@ -445,6 +465,9 @@ class Matrix:
             ok, detail = self._cell(i, cell, llm)
         except Exception as exc:  # noqa: BLE001 - a cell that raises has failed; the matrix goes on
             ok, detail = False, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-1).strip().splitlines()[-2].strip()}"
+        finally:
+            if self._retained:
+                self.retain(set(self._retained), priority=0)
         line = f"cell {i:3d} {'ok  ' if ok else 'FAIL'} {cell.label()}: {detail} ({time.monotonic() - started:.1f} s)"
         print(line, file=self.out or sys.stdout, flush=True)
         return Result(ok, line)
@@ -457,7 +480,7 @@ class Matrix:
         lora = self.lora_request(cell.model) if cell.feature == "lora" else None
         reference = self.references[(i, "lora" if lora else None)]
         prefix_caching = cell.feature != "no-prefix-cache"
-        expected = design.expected_hit(cell.length)
+        expected = design.expected_hit(cell.length, cell.model)
         if cell.model == MLA:
             expected = 0  # kvstrata is off for vLLM's CPU MLA: no cached prefix there (compat.cached_prefix_unsupported)
         problems: list[str] = []
@@ -482,6 +505,7 @@ class Matrix:
             (own,) = self.generate(llm, [served], salt=salt, lora=lora)
 
         # 2. The tier under test becomes the only one holding the chunks.
+        peer_before = None
         if cell.feature == "reset":
             # vLLM's reset with the connector: kvstrata drops the namespace, so the next
             # request is a miss, which must still give the right answer.
@@ -490,12 +514,18 @@ class Matrix:
         elif cell.tp != "2>1":
             # (2>1: the TP 2 engine's chunks are another namespace's, which this engine never
             # asks for; once that engine stopped, its abandoned pool may have drained to disk.)
+            # A peer's promotions count from before the move (which promotes nothing), so a
+            # promotion that starts before the hit does (a lookup or prefetch that heard the
+            # directory's news first): two cells of the 28 Nov run counted none for a hit of
+            # the right length with exact bytes and nothing left here after the purge. Not
+            # reproduced since (a rerun of every sliding TP 2 cell counted each one).
+            peer_before = ray.get(self.store.stats.remote()) if cell.tier == "peer" else None
             why = self.force_tier(llm, cell.tier, chunks)
             if why:
                 return False, f"setup: {why}"
         if prefix_caching:
             llm.reset_prefix_cache()  # vLLM's own cache: what it holds must come from kvstrata
-        before_stats = ray.get(self.store.stats.remote())
+        before_stats = peer_before or ray.get(self.store.stats.remote())
 
         # 3. Served again (preempt: as the last of three requests on an 18-block KV cache).
         if cell.feature == "preempt":

@@ -47,6 +47,18 @@ def test_expected_hits_are_the_whole_chunks_of_the_cached_prompt():
     assert design.expected_hit("extend") == k  # the whole cached prompt, not the extension
 
 
+def test_a_sliding_window_model_hits_one_chunk_less_at_a_chunk_boundary():
+    """vLLM keeps the last prompt token out of a sliding-window model's hit (and stores
+    its window chunks only where such a hit can end): measured the same for vLLM's own
+    offloading (scripts/exactness_swa_probe.py)."""
+    k, sliding = design.CHUNKS * design.CHUNK, design.SLIDING
+    assert design.expected_hit("kC", sliding) == k - design.CHUNK
+    assert design.expected_hit("extend", sliding) == k - design.CHUNK  # its cached prompt ended on the boundary
+    assert design.expected_hit("kC-1", sliding) == k - design.CHUNK
+    assert design.expected_hit("kC+1", sliding) == design.expected_hit("kC+block", sliding) == k
+    assert design.expected_hit("short", sliding) == 0
+
+
 def test_the_ci_slice_covers_every_tier_and_length():
     cells = matrix.ci_slice(design.all_cells(design.MODELS, design.TPS))
     assert {cell.tier for cell in cells} == set(design.TIERS)
