@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import exactness_design as design
+import exactness_tiers as tiers
 from exactness_checks import TOLERANCE, Outcome, computed_positions, first_difference, fmt, max_gap, same_engine, served_from
 from exactness_models import MLA, SLIDING, build, build_lora
 
@@ -264,6 +265,7 @@ class Matrix:
             for (name, tp, feature), members in model_groups:
                 needs_lora = feature == "lora"
                 _, kwargs = self.engine_kwargs(name, tp, feature, needs_lora)
+                tiers.clean_slate(self)  # what stopped engines left must not move this one's cells
                 try:
                     llm = self.start(kwargs, kvstrata=True)
                 except Exception as exc:  # noqa: BLE001
@@ -347,106 +349,8 @@ class Matrix:
             self.generate(llm, [prompt(f"tick {time.monotonic_ns()}", 12, seed=attempt)], max_tokens=1, checked=False)
         return new
 
-    def fill(self, llm: Any, gone: Any, batches: int = 10, arrived: Any = None) -> bool:
-        """Filler prompts (7 chunks each, never seen before; 4 a batch) until `gone()` holds,
-        checked after each prompt: a batch at once overran the disk behind the arena.
-
-        `arrived()`: the cell's chunks already where they should stay (on disk, no longer in
-        the arena). They leave the arena one at a time, and the first to reach the disk had
-        been pushed off it by the fillers that drove the last one out (the sliding-window
-        model, 28 Nov): each is retained there (kvstrata's `kv.retain`, priority 100) as it
-        arrives, so the disk evicts the fillers first; `run_cell` ends that after the cell."""
-        import ray
-
-        for _ in range(batches * 4):
-            ray.get(self.store.wait_io.remote(60))
-            if arrived is not None:
-                self.retain(arrived() - self._retained)
-            if gone():
-                return True
-            self._fillers += 1
-            filler = prompt(f"filler {self._fillers}", 7 * design.CHUNK, seed=1000 + self._fillers)
-            self.generate(llm, [filler], max_tokens=1, checked=False)
-        ray.get(self.store.wait_io.remote(60))
-        return gone()
-
-    def retain(self, chunks: set[tuple[str, bytes]], priority: int = 100) -> None:
-        """Retention at `priority` for `chunks` (0 ends it), remembered in `_retained`."""
-        import ray
-
-        for namespace in {ns for ns, _ in chunks}:
-            ray.get(self.store.retain.remote(namespace, [key for ns, key in chunks if ns == namespace], priority, 600.0))
-        if priority:
-            self._retained |= chunks
-        else:
-            self._retained -= chunks
-
     def force_tier(self, llm: Any, tier: str, chunks: set[tuple[str, bytes]]) -> str | None:
-        """Make `tier` the only one of this node holding `chunks`; a reason if it could not."""
-        import ray
-
-        if not chunks:
-            return None
-        if tier == "arena":
-            return None if chunks <= self.snapshot() else "not all chunks in the arena"
-        if tier == "disk":
-            if not self.fill(llm, lambda: not chunks & self.snapshot(), arrived=lambda: (chunks & self.snapshot("STORAGE")) - self.snapshot()):
-                return "chunks still in the arena after the fillers"
-            return None if chunks <= self.snapshot("STORAGE") else "chunks pushed off the disk too"
-        if tier == "bucket":
-            if not self.fill(llm, lambda: not chunks & (self.snapshot() | self.snapshot("STORAGE")), batches=40):
-                return "chunks still in the arena or on disk after the fillers"
-            return None if chunks <= self.snapshot("OBJECT") else "chunks not in the bucket"
-        if tier == "peer":
-            return self.move_to_peer(chunks)
-        raise ValueError(tier)
-
-    def move_to_peer(self, chunks: set[tuple[str, bytes]]) -> str | None:
-        """Copy `chunks` into the peer node's store, then purge them here (arena, disk, bucket)."""
-        import ray
-
-        from kvstrata.actors.client import get_node_store
-        from kvstrata._dev.testing import ChunkProbe
-
-        peer_store = get_node_store(self.peer)
-        for namespace in {ns for ns, _ in chunks}:
-            keys = [key for ns, key in chunks if ns == namespace]
-            found, _, arrays = ray.get(self.store.export_chunks.remote(namespace, keys), timeout=60)
-            if len(found) != len(keys):
-                return f"{len(keys) - len(found)} chunks could not be exported"
-            os.environ["KVSTRATA_NODE_ID"] = self.peer
-            try:
-                # No layout: the peer store takes the namespace as named (the head's engine registered it).
-                # A holder of its own per move: a second move into the same namespace was
-                # refused as another engine's registration (28 Nov 2026).
-                self._moves += 1
-                probe = ChunkProbe(f"exactness-{namespace[:8]}-{self._moves}", namespace, int(arrays[0].nbytes), None)
-            finally:
-                os.environ["KVSTRATA_NODE_ID"] = self.head
-            try:
-                written = 0
-                while written < len(found):
-                    slots = probe._step(reserve=len(found) - written).reserved
-                    if not slots:
-                        return "the peer's arena reserved no slot"
-                    batch = list(zip(slots, found[written:], arrays[written:]))
-                    for slot, _, data in batch:
-                        probe._view(slot)[:] = data
-                    probe._step(commit=[(slot, key) for slot, key, _ in batch])
-                    probe._step(unpin=[slot for slot, _, _ in batch])
-                    written += len(batch)
-            finally:
-                probe.close()
-            ray.get(self.store.purge.remote(namespace))
-        namespaces = {ns for ns, _ in chunks}
-        deadline = time.monotonic() + 30
-        while not chunks <= self.snapshot("PEER", namespaces):
-            if time.monotonic() > deadline:
-                return "this node never learned that the peer holds the chunks"
-            time.sleep(0.1)  # the directory syncs every 0.1 s; bounded above
-        if chunks & (self.snapshot("CPU", namespaces) | self.snapshot("STORAGE", namespaces)):
-            return "chunks still held on this node after the purge"
-        return None
+        return tiers.force_tier(self, llm, tier, chunks)
 
     # -- one cell ---------------------------------------------------------------------
 
@@ -467,7 +371,7 @@ class Matrix:
             ok, detail = False, f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=-1).strip().splitlines()[-2].strip()}"
         finally:
             if self._retained:
-                self.retain(set(self._retained), priority=0)
+                tiers.retain(self, set(self._retained), priority=0)
         line = f"cell {i:3d} {'ok  ' if ok else 'FAIL'} {cell.label()}: {detail} ({time.monotonic() - started:.1f} s)"
         print(line, file=self.out or sys.stdout, flush=True)
         return Result(ok, line)
