@@ -69,8 +69,8 @@ SILENCE_ROUND_TRIPS = 8
 SILENCE_FLOOR_SECONDS = 0.05
 ROUND_TRIP_SAMPLES = 16
 # A view of the store is fresh enough for a MISS if taken at most `max_view_age_seconds`
-# before the request arrived, or this many of the store's usual round trips (#49): an
-# engine that steps asks every round trip, so its view is up to about two round trips old,
+# before the request arrived, or this many of the store's longest recent round trips (#49):
+# an engine that steps asks every round trip, so its view is up to two round trips old,
 # and a busy machine (round trips of 0.1-1 s measured) made every request wait one for
 # nothing more than chunks other engines stored in the last round trip.
 VIEW_AGE_ROUND_TRIPS = 2

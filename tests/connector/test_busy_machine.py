@@ -184,3 +184,22 @@ def test_a_view_is_fresh_enough_within_two_of_the_stores_round_trips(tmp_path, c
         assert reader.lookup(key(7), ctx("a")) is (MISS if configured else RETRY)
     finally:
         store.close()
+
+
+def test_a_view_is_fresh_enough_within_two_of_the_longest_recent_round_trips(tmp_path, clock):
+    """Round trips that vary (0.1, 0.1, 0.5 s: a busy machine's p50 and p90, #49): a view
+    0.8 s old is one this engine holds between two replies while it steps, so a cold chunk
+    is a MISS at once, not a wait for a view the store cannot deliver sooner. A view older
+    than that (the engine sat idle) still asks."""
+    store, cfg = make_store(tmp_path, clock)
+    cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"max_view_age_seconds": 0.1})})
+    try:
+        reader = threadless_manager(store, cfg, clock=clock)
+        for seconds in (0.1, 0.1, 0.5):
+            reader._measure_round_trip(seconds)
+        clock.advance(0.8)
+        assert reader.lookup(key(7), ctx("a")) is MISS
+        clock.advance(0.5)  # 1.3 s: older than two of the longest round trips
+        assert reader.lookup(key(8), ctx("b")) is RETRY
+    finally:
+        store.close()
