@@ -3,8 +3,8 @@ one engine's cells from being moved by what earlier engines left in the store.
 
 `force_tier`: arena (as stored), disk and bucket (filler prompts push the chunks down the
 cascade), peer (copied into the other node's store, then purged here). `clean_slate`:
-before an engine starts, the stopped engines' namespaces are dropped from both nodes'
-stores, except the TP 2 chunks the `2>1` cells of a later engine ask about.
+before an engine starts, the stopped engines' namespaces are dropped from this node's
+store, except the TP 2 chunks the `2>1` cells of a later engine ask about.
 
 These are functions of the `Matrix` (exactness_run.py): its store handles, `snapshot`,
 `generate` and its counters (`_fillers`, `_moves`, `_retained`).
@@ -78,16 +78,26 @@ def retain(matrix: Any, chunks: Chunks, priority: int = 100) -> None:
         matrix._retained -= chunks
 
 
-def flush_commits(matrix: Any, llm: Any) -> None:
-    """Two engine steps, then the store's I/O: the stores of the requests the engine just
-    finished commit with the control call of a later step, and a commit that lands after a
-    purge puts its chunk back (28 Nov: a peer cell found its chunks in the arena again,
-    with no promotion from the peer)."""
+def release_pins(matrix: Any, llm: Any, ticks: int = 20) -> int:
+    """Step the engine (one-token prompts of no whole chunk) until no engine on this node
+    pins a chunk, at most `ticks` times; the pins left.
+
+    Why: a purge drops a chunk an engine pins only when the engine lets it go (the arena
+    keeps a pinned slot's bytes), and the engine still answers HIT from its own pin. An
+    engine releases the pins of finished requests at a step's end, once the commits they
+    came from are answered: an idle engine keeps them, and answers HIT from them after a
+    purge (28 Nov: a peer cell served from this node's arena, no promotion from the peer)."""
     import ray
 
-    for tick in range(2):
-        matrix.generate(llm, [_prompt(f"flush {time.monotonic_ns()}", 12, seed=tick)], max_tokens=1, checked=False)
-    ray.get(matrix.store.wait_io.remote(60))
+    left = -1
+    for tick in range(ticks + 1):
+        ray.get(matrix.store.wait_io.remote(60))
+        engines = ray.get(matrix.store.stats.remote()).get("engines", {})
+        left = sum(e["pinned"] for holder, e in engines.items() if not holder.startswith("exactness-"))
+        if not left or tick == ticks:
+            break
+        matrix.generate(llm, [_prompt(f"release {time.monotonic_ns()}", 12, seed=tick)], max_tokens=1, checked=False)
+    return left
 
 
 def move_to_peer(matrix: Any, llm: Any, chunks: Chunks) -> str | None:
@@ -96,7 +106,8 @@ def move_to_peer(matrix: Any, llm: Any, chunks: Chunks) -> str | None:
 
     from kvstrata._dev.testing import ChunkProbe
 
-    flush_commits(matrix, llm)
+    if pinned := release_pins(matrix, llm):
+        return f"the engine still pins {pinned} chunks after 20 steps"
     for namespace in {ns for ns, _ in chunks}:
         keys = [key for ns, key in chunks if ns == namespace]
         found, _, arrays = ray.get(matrix.store.export_chunks.remote(namespace, keys), timeout=60)
@@ -134,12 +145,21 @@ def move_to_peer(matrix: Any, llm: Any, chunks: Chunks) -> str | None:
         time.sleep(0.1)  # the directory syncs every 0.1 s; bounded above
     if chunks & (matrix.snapshot("CPU", namespaces) | matrix.snapshot("STORAGE", namespaces)):
         return "chunks still held on this node after the purge"
+    # The engine answers HIT from its mirror until it has seen the purge (the arena keeps a
+    # dropped slot's bytes for it meanwhile: deferred slot reuse), and such a hit is served
+    # here, not from the peer (28 Nov: three sliding-window peer cells). Its heartbeat
+    # acknowledges the purge within IDLE_ACK_SECONDS; its next pass applies it first.
+    while any(ray.get(matrix.store.stats.remote())["pools"].get(ns, {}).get("awaiting_reuse", 0) for ns in namespaces):
+        if time.monotonic() > deadline:
+            return "the engine never acknowledged the purge"
+        time.sleep(0.05)  # bounded by the same deadline
     return None
 
 
 def clean_slate(matrix: Any) -> int:
-    """Drop every namespace from both nodes' stores (arena, disk, bucket) except those of
+    """Drop every namespace from this node's store (arena, disk, bucket) except those of
     the chunks `2>1` cells still ask about (`matrix.other_chunks`); the chunks dropped.
+    The peer's store is left as it is: each peer cell writes its own chunks there.
 
     Why: the disk grows a namespace's slabs only while it has room, and evicts the
     namespace's own oldest chunks when it cannot; with the disk full of stopped engines'
@@ -148,15 +168,11 @@ def clean_slate(matrix: Any) -> int:
     empty store, as a cell's result must not depend on the cells before it."""
     import ray
 
-    from kvstrata.actors.client import get_node_store
-
     keep = {ns for chunks in getattr(matrix, "other_chunks", {}).values() for ns, _ in chunks}
+    stats = ray.get(matrix.store.stats.remote())
     dropped = 0
-    for node in filter(None, [matrix.head, matrix.peer]):
-        store = get_node_store(node)
-        stats = ray.get(store.stats.remote())
-        for namespace in sorted((set(stats.get("pools", {})) | set(stats.get("namespaces", {}))) - keep):
-            dropped += ray.get(store.purge.remote(namespace))
+    for namespace in sorted((set(stats.get("pools", {})) | set(stats.get("namespaces", {}))) - keep):
+        dropped += ray.get(matrix.store.purge.remote(namespace))
     ray.get(matrix.store.wait_io.remote(60))
     return dropped
 
