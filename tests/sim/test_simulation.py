@@ -54,12 +54,14 @@ def test_a_hole_in_the_protocol_is_caught_shrunk_and_replayed(monkeypatch):
     the store is handed out at once), some seed soon reads another chunk's bytes; the
     run shrinks to a few dozen actions that replay to the same violation."""
     monkeypatch.setattr(DeferredReuse, "retire", lambda self, slot, key, removed_at=None: False)
-    for seed in range(40):  # (no weight updates nor #51's paths: they make the trace long to shrink)
-        result = run_seed(seed, 20_000, purge_and_disk_races=False, reach=False)
-        if result.violations:
-            break
-    else:
+    # (no weight updates nor #51's paths: they make the trace long to shrink.) The shortest
+    # of the first eight seeds' runs: how soon a seed finds the hole moves with the engines'
+    # answers (seed 0 took 1,108 actions before #49's view age, 4,363 after; every one of
+    # the eight finds it, in about 2.5 s together), and a long trace outlasts the budget.
+    found = [result for seed in range(8) if (result := run_seed(seed, 20_000, purge_and_disk_races=False, reach=False)).violations]
+    if not found:
         pytest.fail("no seed found the hole")
+    result = min(found, key=lambda run: len(run.actions))
     # A load that reads another chunk's bytes, or (since #51) the write that overwrites its slot under it
     assert any(what in result.violations[0] for what in WRONG_BYTES), result.violations[0]
     small = shrink(result.config, result.actions, result.violations[0], budget_s=90)  # (ends sooner when done)
