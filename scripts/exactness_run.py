@@ -346,11 +346,20 @@ class Matrix:
             if len(now) >= want and now == new:
                 return now
             new = now
-            self.generate(llm, [prompt(f"tick {time.monotonic_ns()}", 12, seed=attempt)], max_tokens=1, checked=False)
+            self.tick(llm, seed=attempt)
         return new
 
-    def force_tier(self, llm: Any, tier: str, chunks: set[tuple[str, bytes]]) -> str | None:
-        return tiers.force_tier(self, llm, tier, chunks)
+    def tick(self, llm: Any, seed: int = 0) -> None:
+        """One engine step on a 12-token prompt never seen before: shorter than a chunk, so
+        it stores nothing; what the engine had pending (commits, idle pins) moves on."""
+        self.generate(llm, [prompt(f"tick {time.monotonic_ns()}", 12, seed=seed)], max_tokens=1, checked=False)
+
+    def filler(self, llm: Any) -> None:
+        """A prompt of 7 whole chunks never seen before, computed and stored: it pushes
+        older chunks down the cascade."""
+        self._fillers += 1
+        filler = prompt(f"filler {self._fillers}", 7 * design.CHUNK, seed=1000 + self._fillers)
+        self.generate(llm, [filler], max_tokens=1, checked=False)
 
     # -- one cell ---------------------------------------------------------------------
 
@@ -424,7 +433,7 @@ class Matrix:
             # the right length with exact bytes and nothing left here after the purge. Not
             # reproduced since (a rerun of every sliding TP 2 cell counted each one).
             peer_before = ray.get(self.store.stats.remote()) if cell.tier == "peer" else None
-            why = self.force_tier(llm, cell.tier, chunks)
+            why = tiers.force_tier(self, llm, cell.tier, chunks)
             if why:
                 return False, f"setup: {why}"
         if prefix_caching:

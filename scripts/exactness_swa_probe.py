@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,7 +53,7 @@ def main() -> int:
                         matrix.settle(llm, before, computed // design.CHUNK)
                     else:  # the reference copies synchronously; a few steps finish its store jobs
                         for tick in range(3):
-                            matrix.generate(llm, [prompt(f"tick {time.monotonic_ns()}", 12, seed=tick)], max_tokens=1, checked=False)
+                            matrix.tick(llm, seed=tick)
                     llm.reset_prefix_cache()
                     (hit,) = matrix.generate(llm, [tokens])
                     print(f"{engine}: computed {computed}, asked {served}: {hit.cached} cached "

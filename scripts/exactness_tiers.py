@@ -7,7 +7,7 @@ before an engine starts, the stopped engines' namespaces are dropped from this n
 store, except the TP 2 chunks the `2>1` cells of a later engine ask about.
 
 These are functions of the `Matrix` (exactness_run.py): its store handles, `snapshot`,
-`generate` and its counters (`_fillers`, `_moves`, `_retained`).
+its engine steps (`tick`, `filler`) and its counters (`_moves`, `_retained`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 import time
 from typing import Any
-
-import exactness_design as design
 
 Chunks = set[tuple[str, bytes]]
 
@@ -59,9 +57,7 @@ def fill(matrix: Any, llm: Any, gone: Any, batches: int = 10, arrived: Any = Non
             retain(matrix, arrived() - matrix._retained)
         if gone():
             return True
-        matrix._fillers += 1
-        filler = _prompt(f"filler {matrix._fillers}", 7 * design.CHUNK, seed=1000 + matrix._fillers)
-        matrix.generate(llm, [filler], max_tokens=1, checked=False)
+        matrix.filler(llm)
     ray.get(matrix.store.wait_io.remote(60))
     return gone()
 
@@ -96,7 +92,7 @@ def release_pins(matrix: Any, llm: Any, ticks: int = 20) -> int:
         left = sum(e["pinned"] for holder, e in engines.items() if not holder.startswith("exactness-"))
         if not left or tick == ticks:
             break
-        matrix.generate(llm, [_prompt(f"release {time.monotonic_ns()}", 12, seed=tick)], max_tokens=1, checked=False)
+        matrix.tick(llm, seed=tick)
     return left
 
 
@@ -107,7 +103,7 @@ def move_to_peer(matrix: Any, llm: Any, chunks: Chunks) -> str | None:
     from kvstrata._dev.testing import ChunkProbe
 
     if pinned := release_pins(matrix, llm):
-        return f"the engine still pins {pinned} chunks after 20 steps"
+        return f"the engine still pins {pinned} chunks after its steps"
     for namespace in {ns for ns, _ in chunks}:
         keys = [key for ns, key in chunks if ns == namespace]
         found, _, arrays = ray.get(matrix.store.export_chunks.remote(namespace, keys), timeout=60)
@@ -176,8 +172,3 @@ def clean_slate(matrix: Any) -> int:
     ray.get(matrix.store.wait_io.remote(60))
     return dropped
 
-
-def _prompt(tag: str, tokens: int, seed: int) -> list[int]:
-    from exactness_run import prompt
-
-    return prompt(tag, tokens, seed)
